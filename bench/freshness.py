@@ -1,0 +1,381 @@
+"""Benchmark 4: freshness (commit-to-mirror latency) with the Dagster streaming sensor as deployed.
+
+    .venv/bin/python -m bench.freshness --rate 1000 --duration 180
+
+Deployment: ``dagster-daemon run -w workspace.yaml`` (sensors, run queue, run launcher; no web UI) with the
+project's ``Definitions`` (``cdc_assets.definitions``), ``DAGSTER_HOME`` = a fresh directory holding a copy of
+``dagster_home/dagster.yaml``, and ``CDC_CONFIG`` = a generated configuration with one source ``bench_fresh``
+(table ``bench_fresh``, ``--rows`` rows) whose ``spark`` section and ``stream`` settings (sensor interval, batch
+bound) are copied from the repository's ``cdc.yaml``. The planner sensor plans the chunks and requests the initial
+snapshot runs; the streaming sensor launches one batch run at a time, each with its own Spark driver.
+
+Once every chunk is reconciled, a workload writes ``--rate`` changes/s (transactions of ``--tx-size``: inserts,
+updates, deletes) for ``--duration`` seconds; then the stream drains and the daemon is stopped.
+
+Measured: for every inserted or updated row of the workload, latency = the mirror's Delta commit timestamp of the
+change (Change Data Feed ``_commit_timestamp``) - the source commit time (``_cdc_ts``, from the commit record);
+p50/p95/max. Deletes are applied by the same commits but leave no row to time. Each change's latency splits, from
+the stream run that applied it (run records and event log), into: **wait** (source commit -> run created by the
+sensor tick; negative when the change was committed after the run was created but before its batch read the slot),
+**launch** (run created -> run started: queue, process, code load), **startup** (run started -> batch started:
+Spark session start and pipeline preparation; batch start = materialization time - the batch's ``seconds``),
+**batch** (batch started -> mirror commit). The parts add up to the latency exactly.
+
+Output: results table, ``bench/out/freshness-<utc>.json``, ``bench/out/freshness.png`` (latency over time and the
+parts per run). ``--keep`` keeps DAGSTER_HOME and the lake (``bench/out/work``); the daemon log is
+``bench/out/logs/freshness-daemon.log``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from bench.common import (
+    OUT,
+    ROOT,
+    admin_connect,
+    drop_capture,
+    ensure_database,
+    fresh_dir,
+    machine,
+    percentile,
+    print_table,
+    pyplot,
+    remove_dir,
+    reset_capture,
+    save_figure,
+    save_json,
+)
+from bench.datagen import PacedWorkload, create_hot_table, install_workload
+
+SOURCE = "bench_fresh"
+TABLE = "bench_fresh"
+PASSWORD_REF = "${CDC_BENCH_PASSWORD}"
+FAILED_RUNS: dict[str, str] = {}
+
+
+def lsn_int(text: str) -> int:
+    high, low = text.split("/")
+    return (int(high, 16) << 32) | int(low, 16)
+
+
+def write_config(path: Path, lake: Path, rows_chunk: int) -> dict[str, Any]:
+    """The bench source's configuration, with the repository's ``spark`` and ``stream`` settings."""
+    deployed = yaml.safe_load((ROOT / "cdc.yaml").read_text())
+    template = deployed["sources"][0]
+    source = {
+        "name": SOURCE,
+        "kind": "postgres",
+        "connection": {"host": "127.0.0.1", "port": "${CDC_PG_PORT}", "dbname": "bench", "user": "bench_reader",
+                       "password": PASSWORD_REF},
+        "slot": SOURCE,
+        "publication": SOURCE,
+        "startup_mode": "initial",
+        "chunk_size": rows_chunk,
+        "read_parallelism": template.get("read_parallelism", 2),
+        "tables": [f"public.{TABLE}"],
+        "stream": template.get("stream", {}),
+    }  # fmt: skip
+    config = {"lake_root": str(lake), "spark": deployed.get("spark", {}), "sources": [source]}
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    return {"spark": config["spark"], "stream": source["stream"]}
+
+
+class Instance:
+    """Read access to the bench's Dagster instance (DAGSTER_HOME set before the first use)."""
+
+    def __init__(self, home: Path) -> None:
+        os.environ["DAGSTER_HOME"] = str(home)
+        from dagster import DagsterInstance
+
+        self.instance = DagsterInstance.get()
+        self.instance.get_run_records(limit=1)  # initialise the storage now
+
+    def materializations(self, key: list[str]) -> list[Any]:
+        from dagster import AssetKey
+
+        return list(self.instance.fetch_materializations(AssetKey(key), limit=10_000, ascending=True).records)
+
+    def stream_metadata(self) -> list[tuple[float, str, dict[str, Any]]]:
+        out = []
+        for record in self.materializations([SOURCE, "_stream"]):
+            entry = record.event_log_entry
+            metadata = entry.dagster_event.event_specific_data.materialization.metadata
+            out.append((entry.timestamp, entry.run_id, {k: v.value for k, v in metadata.items()}))
+        return out
+
+    def active_runs(self) -> int:
+        from dagster import DagsterRunStatus, RunsFilter
+
+        active = [DagsterRunStatus.QUEUED, DagsterRunStatus.NOT_STARTED, DagsterRunStatus.STARTING,
+                  DagsterRunStatus.STARTED]  # fmt: skip
+        return len(self.instance.get_run_records(RunsFilter(statuses=active)))
+
+    def failed_runs(self) -> dict[str, str]:
+        """run id -> job name and failure message of every failed run."""
+        from dagster import DagsterEventType, DagsterRunStatus, RunsFilter
+
+        failed = {}
+        for record in self.instance.get_run_records(RunsFilter(statuses=[DagsterRunStatus.FAILURE])):
+            run_id = record.dagster_run.run_id
+            events = self.instance.all_logs(run_id, of_type=DagsterEventType.RUN_FAILURE)
+            message = events[-1].dagster_event.message if events and events[-1].dagster_event else ""
+            failed[run_id] = f"{record.dagster_run.job_name}: {(message or '').strip()[:300]}"
+        return failed
+
+    def stream_runs(self) -> list[dict[str, Any]]:
+        from dagster import DagsterEventType, RunsFilter
+
+        runs = []
+        for record in self.instance.get_run_records(RunsFilter(job_name=f"{SOURCE}_stream"), ascending=True):
+            run_id = record.dagster_run.run_id
+            step_start = [e.timestamp for e in self.instance.all_logs(run_id, of_type=DagsterEventType.STEP_START)]
+            mats = self.instance.all_logs(run_id, of_type=DagsterEventType.ASSET_MATERIALIZATION)
+            item: dict[str, Any] = {
+                "run_id": run_id,
+                "created": record.create_timestamp.timestamp(),
+                "started": record.start_time,
+                "ended": record.end_time,
+                "status": record.dagster_run.status.value,
+                "reason": record.dagster_run.tags.get("cdc/reason"),
+                "step_start": step_start[0] if step_start else None,
+            }
+            if mats:
+                metadata = mats[-1].dagster_event.event_specific_data.materialization.metadata
+                values = {k: v.value for k, v in metadata.items()}
+                item.update(materialized=mats[-1].timestamp, seconds=float(values.get("seconds", 0.0)),
+                            changes=int(values.get("changes", 0)), lsn=values.get("lsn"))  # fmt: skip
+                item["batch_start"] = item["materialized"] - item["seconds"]
+            runs.append(item)
+        return runs
+
+
+def wait_for(predicate: Any, what: str, timeout: float, daemon: subprocess.Popen[bytes], instance: Instance) -> None:
+    """Poll ``predicate`` every 2 s; failed runs are reported (once each) but do not stop the wait (a retry or a
+    later run may still do the work); the daemon exiting or the timeout does."""
+    deadline = time.time() + timeout
+    while not predicate():
+        if daemon.poll() is not None:
+            raise RuntimeError(f"dagster-daemon exited ({daemon.returncode}) while waiting for {what}")
+        for run_id, message in instance.failed_runs().items():
+            if run_id not in FAILED_RUNS:
+                FAILED_RUNS[run_id] = message
+                print(f"[freshness] run {run_id} failed: {message}", flush=True)
+        if time.time() > deadline:
+            raise RuntimeError(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(2)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rate", type=float, default=1000.0, help="workload changes/s (default 1000)")
+    parser.add_argument("--duration", type=float, default=180.0, help="workload seconds (default 180)")
+    parser.add_argument("--tx-size", type=int, default=10)
+    parser.add_argument("--rows", type=int, default=50_000, help="rows of bench_fresh before the workload")
+    parser.add_argument("--chunk-size", type=int, default=10_000)
+    parser.add_argument("--keep", action="store_true")
+    args = parser.parse_args(argv)
+
+    ensure_database()
+    install_workload()
+    create_hot_table(TABLE, args.rows)
+    work = fresh_dir("fresh")
+    home = work / "dagster_home"
+    home.mkdir()
+    shutil.copy(ROOT / "dagster_home" / "dagster.yaml", home / "dagster.yaml")
+    lake = work / "lake"
+    config_path = work / "cdc.yaml"
+    deployed = write_config(config_path, lake, args.chunk_size)
+    with admin_connect() as conn:
+        reset_capture(conn, SOURCE, [TABLE])
+    env = {**os.environ, "DAGSTER_HOME": str(home), "CDC_CONFIG": str(config_path),
+           "CDC_PG_PORT": os.environ.get("CDC_PG_PORT", "54329")}  # fmt: skip
+    instance = Instance(home)  # creates the SQLite storage before the daemon and its code server open it
+    (OUT / "logs").mkdir(parents=True, exist_ok=True)
+    log = open(OUT / "logs" / "freshness-daemon.log", "w")
+    daemon = subprocess.Popen(
+        [str(Path(sys.executable).parent / "dagster-daemon"), "run", "-w", str(ROOT / "workspace.yaml")],
+        cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+    )  # fmt: skip
+    try:
+        result = run(args, daemon, instance, lake)
+    finally:
+        stop_daemon(daemon)
+        log.close()
+        with admin_connect() as conn:
+            drop_capture(conn, SOURCE)
+    result["deployed"] = deployed
+    analyse(result, lake)
+    if not args.keep:
+        remove_dir(work)
+    report(result, args)
+    path = save_json("freshness", {"args": vars(args), **result})
+    print(f"\nresults: {path}", flush=True)
+    return 0
+
+
+def stop_daemon(daemon: subprocess.Popen[bytes]) -> None:
+    """Stop the daemon we started (its own process group: the code server and any run worker with it)."""
+    if daemon.poll() is None:
+        os.killpg(daemon.pid, signal.SIGTERM)
+        try:
+            daemon.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(daemon.pid, signal.SIGKILL)
+            daemon.wait()
+
+
+def run(args: argparse.Namespace, daemon: subprocess.Popen[bytes], instance: Instance, lake: Path) -> dict[str, Any]:
+    started = time.time()
+    plan_path = lake / SOURCE / "_cdc" / "plans" / f"public.{TABLE}.json"
+    waiting = lake / SOURCE / "_cdc" / "waiting"
+
+    def snapshot_done() -> bool:
+        if not plan_path.exists():
+            return False
+        chunks = len(json.loads(plan_path.read_text())["chunks"])
+        from dagster import AssetKey
+
+        done = instance.instance.get_materialized_partitions(AssetKey([SOURCE, "public", TABLE]))
+        if len(done) < chunks:
+            return False
+        last_table = max(r.event_log_entry.timestamp for r in instance.materializations([SOURCE, "public", TABLE]))
+        after = [m for t, _, m in instance.stream_metadata() if t > last_table]
+        markers = list(waiting.glob("*.hw")) if waiting.exists() else []
+        return bool(after) and after[-1].get("waiting_chunks") == 0 and not markers and instance.active_runs() == 0
+
+    wait_for(snapshot_done, "the initial snapshot (planner sensor, snapshot runs, reconciliation)", 900, daemon,
+             instance)  # fmt: skip
+    ready = time.time()
+    print(f"[freshness] initial snapshot reconciled after {ready - started:.0f} s; workload "
+          f"{args.rate:.0f} changes/s for {args.duration:.0f} s", flush=True)  # fmt: skip
+    workload = PacedWorkload(TABLE, args.rate, args.tx_size).start()
+    workload_start = time.time()
+    time.sleep(args.duration)
+    changes = workload.stop()
+    workload_end = time.time()
+    with admin_connect() as conn:
+        (target,) = conn.execute("select pg_current_wal_flush_lsn()::text").fetchone()
+    target_lsn = lsn_int(target)
+
+    def drained() -> bool:
+        metadata = instance.stream_metadata()
+        return bool(metadata) and lsn_int(str(metadata[-1][2]["lsn"])) >= target_lsn and instance.active_runs() == 0
+
+    wait_for(drained, "the stream to apply the whole workload", 900, daemon, instance)
+    print(f"[freshness] drained {time.time() - workload_end:.0f} s after the workload stopped", flush=True)
+    return {
+        "machine": machine(),
+        "rate": args.rate,
+        "duration": args.duration,
+        "changes": changes,
+        "initial_seconds": ready - started,
+        "workload_start": workload_start,
+        "workload_end": workload_end,
+        "runs": instance.stream_runs(),
+        "failed_runs": dict(FAILED_RUNS),
+    }
+
+
+def analyse(result: dict[str, Any], lake: Path) -> None:
+    """Latency per inserted/updated row from the mirror's Change Data Feed; parts from the applying run."""
+    sys.path.insert(0, str(ROOT))
+    from pyspark.sql import functions as F
+
+    from bench.common import pipeline_config
+    from cdc_assets.lake.spark import spark_session
+
+    spark = spark_session(pipeline_config(SOURCE, lake, [TABLE], 10_000).spark)
+    mirror = str(lake / SOURCE / f"public.{TABLE}" / "mirror")
+    feed = (
+        spark.read.format("delta").option("readChangeFeed", "true").option("startingVersion", 0).load(mirror)
+        .where(F.col("_change_type").isin("insert", "update_postimage"))
+        .where(F.col("_cdc_ts") >= F.lit(datetime.fromtimestamp(result["workload_start"]).astimezone()))
+        .select(F.col("_cdc_ts").cast("double").alias("c"), F.col("_commit_timestamp").cast("double").alias("m"),
+                F.col("_commit_version").alias("v"))
+    )  # fmt: skip
+    rows = [(r["c"], r["m"], r["v"]) for r in feed.collect()]
+    spark.stop()
+    runs = [r for r in result["runs"] if r.get("batch_start") is not None]
+    changes = []
+    for committed, applied, version in rows:
+        run = next((r for r in runs if r["started"] <= applied <= (r["ended"] or applied)), None)
+        item = {"t": committed - result["workload_start"], "latency": applied - committed, "version": version}
+        if run is not None:
+            item.update(run=run["run_id"], wait=run["created"] - committed, launch=run["started"] - run["created"],
+                        startup=run["batch_start"] - run["started"], batch=applied - run["batch_start"])  # fmt: skip
+        changes.append(item)
+    result["latencies"] = changes
+    result["unmatched"] = sum(1 for c in changes if "run" not in c)
+
+
+def report(result: dict[str, Any], args: argparse.Namespace) -> None:
+    changes = result["latencies"]
+    lines = []
+    for part in ("latency", "wait", "launch", "startup", "batch"):
+        values = [c[part] for c in changes if part in c]
+        mean = sum(values) / len(values) if values else None
+        lines.append([part, len(values), mean, percentile(values, 50), percentile(values, 95),
+                      max(values, default=None), min(values, default=None)])  # fmt: skip
+    print()
+    stream = result["deployed"]["stream"]
+    print_table(
+        f"Freshness with the Dagster streaming sensor ({machine()}; workload {args.rate:.0f} changes/s for "
+        f"{args.duration:.0f} s in transactions of {args.tx_size}; sensor interval "
+        f"{stream.get('interval_seconds', 5)} s)",
+        ["seconds", "rows timed", "mean", "p50", "p95", "max", "min"],
+        lines,
+    )
+    runs = [r for r in result["runs"] if r["created"] >= result["workload_start"] - 60]
+    gaps = [b["created"] - a["created"] for a, b in itertools.pairwise(runs)]
+    print(f"  workload: {result['changes']:,} changes; rows timed (inserts + updates): {len(changes):,}, "
+          f"without a matching run: {result['unmatched']}")  # fmt: skip
+    batch_p50 = percentile([r.get("seconds", 0.0) for r in runs], 50) or 0.0
+    print(f"  stream runs during the workload: {len(runs)}; between run creations p50 "
+          f"{percentile(gaps, 50) or 0:.1f} s; batch seconds p50 {batch_p50:.1f}")  # fmt: skip
+    print(f"  initial snapshot (planner + snapshot runs + reconciliation) took {result['initial_seconds']:.0f} s")
+    for run_id, message in result["failed_runs"].items():
+        print(f"  failed run {run_id}: {message}")
+    plot(result)
+
+
+def plot(result: dict[str, Any]) -> None:
+    plt = pyplot()
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4))
+    changes = result["latencies"]
+    left.plot([c["t"] for c in changes], [c["latency"] for c in changes], ".", markersize=1)
+    left.set_xlabel("source commit, seconds since workload start")
+    left.set_ylabel("commit-to-mirror seconds")
+    left.set_title("Latency per change")
+    runs = [r for r in result["runs"] if r.get("batch_start") and r["created"] >= result["workload_start"] - 60]
+    parts = {
+        "launch": [r["started"] - r["created"] for r in runs],
+        "startup": [r["batch_start"] - r["started"] for r in runs],
+        "batch": [r["seconds"] for r in runs],
+    }
+    bottom = [0.0] * len(runs)
+    for name, values in parts.items():
+        right.bar(range(1, len(runs) + 1), values, bottom=bottom, label=name)
+        bottom = [a + b for a, b in zip(bottom, values, strict=True)]
+    right.set_xlabel("stream run")
+    right.set_ylabel("seconds")
+    right.set_title("Run parts")
+    right.legend()
+    save_figure(fig, "freshness.png")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

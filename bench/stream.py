@@ -1,0 +1,303 @@
+"""Benchmark 2: streaming throughput, against the decoding rate of the same WAL (the limit).
+
+    .venv/bin/python -m bench.stream --changes 1000000
+
+Steps, in one process (its Spark driver is started once, as a long-lived driver would be; with Dagster every batch
+run starts its own, see ``bench.freshness``):
+
+1. Table ``bench_stream`` (``--initial-rows`` rows, the snapshot table's 10 columns), publication and pgoutput slot
+   ``bench_stream`` created by the administrator; our pipeline snapshots it and streams until every chunk is
+   reconciled, so the mirror holds the initial rows (not timed beyond being reported).
+2. Workload: ``--changes`` changes in transactions of ``--tx-size`` (25% inserts, 15% deletes, 60% updates),
+   committed by a server-side procedure as fast as it goes; the WAL it wrote is reported.
+3. Decode limit: ``select count(*) from pg_logical_slot_peek_binary_changes(slot, NULL, NULL, 'proto_version', '1',
+   'publication_names', pub)`` on the same slot (peek does not consume), as the read-only role, ``--decode-repeats``
+   times; changes/s = workload changes / seconds. Also ``peek+fetch``: the same peek's rows fetched by the client
+   through a server-side cursor (5000 rows per fetch, as our batches read), not decoded.
+4. Ours: ``stream_batch`` + ``advance_slot`` back to back (the source's ``max_changes`` bound per batch) until the
+   slot reaches the end of the workload's WAL; changes/s applied into the mirror, per batch and overall, with the
+   batches' phase seconds (read = peek + fetch + pgoutput decode + spill; changelog; merge; reconcile), CPU seconds and
+   peak RSS of driver, JVM and Python workers. Checked afterwards: the mirror's row count, sum(id) and sum(amount)
+   equal the source's.
+
+Output: results table, ratio ours/decode-limit, ``bench/out/stream-<utc>.json``, ``bench/out/stream_batches.png``
+(changes/s per batch against the decode limit).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import psycopg
+
+from bench.common import (
+    MB,
+    Sampler,
+    admin_connect,
+    drop_capture,
+    ensure_database,
+    fresh_dir,
+    machine,
+    percentile,
+    pipeline_config,
+    print_table,
+    pyplot,
+    reader_dsn_kwargs,
+    remove_dir,
+    reset_capture,
+    save_figure,
+    save_json,
+    usage_json,
+)
+from bench.datagen import create_hot_table, install_workload, run_workload
+
+SOURCE = "bench_stream"
+TABLE = "bench_stream"
+PEEK = "pg_logical_slot_peek_binary_changes(%s, NULL, NULL, 'proto_version', '1', 'publication_names', %s)"
+
+
+def lsn_int(text: str) -> int:
+    high, low = text.split("/")
+    return (int(high, 16) << 32) | int(low, 16)
+
+
+def slot_lsn(conn: psycopg.Connection, slot: str) -> int:
+    (value,) = conn.execute(
+        "select confirmed_flush_lsn::text from pg_replication_slots where slot_name = %s", [slot]
+    ).fetchone()
+    return lsn_int(value)
+
+
+def flush_lsn(conn: psycopg.Connection) -> int:
+    return lsn_int(conn.execute("select pg_current_wal_flush_lsn()::text").fetchone()[0])
+
+
+def _pg_cpu(usage: dict[str, Any]) -> float | None:
+    backends = usage.get("pg_backends")
+    return None if backends is None else backends.cpu_seconds
+
+
+def wait_flushed(conn: psycopg.Connection) -> int:
+    """Wait until the WAL written so far is flushed (peek decodes only flushed WAL); returns that LSN."""
+    target = lsn_int(conn.execute("select pg_current_wal_insert_lsn()::text").fetchone()[0])
+    while flush_lsn(conn) < target:
+        time.sleep(0.05)
+    return target
+
+
+def decode_limit(repeats: int) -> list[dict[str, Any]]:
+    """Time the server-side decode (count(*) over the peek), then peek + client fetch, as the reader role."""
+    runs = []
+    with psycopg.connect(**reader_dsn_kwargs(), autocommit=True) as conn:
+        for i in range(repeats):
+            sampler = Sampler(os.getpid(), interval=0.1, lifetime_peak=False).start()
+            started = time.monotonic()
+            (messages,) = conn.execute(f"select count(*) from {PEEK}", [SOURCE, SOURCE]).fetchone()
+            seconds = time.monotonic() - started
+            usage = sampler.finish()
+            runs.append({"kind": "peek count(*)", "repeat": i, "messages": int(messages), "seconds": seconds,
+                         "pg_cpu": _pg_cpu(usage)})  # fmt: skip
+        sampler = Sampler(os.getpid(), interval=0.1, lifetime_peak=False).start()
+        started = time.monotonic()
+        rows = 0
+        with conn.transaction(), conn.cursor(name="bench_peek", binary=True) as cursor:
+            cursor.itersize = 5000
+            cursor.execute(f"select data from {PEEK}", [SOURCE, SOURCE])
+            for _ in cursor:
+                rows += 1
+        seconds = time.monotonic() - started
+        usage = sampler.finish()
+        runs.append({"kind": "peek+fetch", "repeat": 0, "messages": rows, "seconds": seconds, "pg_cpu": _pg_cpu(usage)})
+    return runs
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--changes", type=int, default=1_000_000, help="workload changes (default 1M)")
+    parser.add_argument("--tx-size", type=int, default=10, help="changes per transaction (default 10)")
+    parser.add_argument("--initial-rows", type=int, default=1_000_000, help="rows before the workload (default 1M)")
+    parser.add_argument("--chunk-size", type=int, default=250_000)
+    parser.add_argument("--max-changes", type=int, default=100_000, help="our batch bound (source default 100000)")
+    parser.add_argument("--decode-repeats", type=int, default=2)
+    parser.add_argument("--keep", action="store_true", help="keep the lake under bench/out/work")
+    args = parser.parse_args(argv)
+
+    ensure_database()
+    install_workload()
+    create_hot_table(TABLE, args.initial_rows)
+    lake = fresh_dir("stream")
+    with admin_connect() as conn:
+        reset_capture(conn, SOURCE, [TABLE])
+    try:
+        result = run(args, lake)
+    finally:
+        with admin_connect() as conn:
+            drop_capture(conn, SOURCE)
+        if not args.keep:
+            remove_dir(lake)
+    report(result, args)
+    path = save_json("stream", {"args": vars(args), **result})
+    print(f"\nresults: {path}", flush=True)
+    return 0
+
+
+def run(args: argparse.Namespace, lake: Path) -> dict[str, Any]:
+    from cdc_assets.engine.lsn import parse_lsn
+    from cdc_assets.lake.pipeline import PostgresPipeline
+    from cdc_assets.lake.spark import spark_session
+
+    config = pipeline_config(SOURCE, lake, [TABLE], chunk_size=args.chunk_size, max_changes=args.max_changes)
+    started = time.monotonic()
+    spark = spark_session(config.spark)
+    spark_seconds = time.monotonic() - started
+    pipeline = PostgresPipeline(config, config.sources[0])
+    table = pipeline.prepare()[f"public.{TABLE}"]
+    run_id = f"bench-{uuid.uuid4().hex[:8]}"
+
+    # 1. initial mirror
+    started = time.monotonic()
+    plan = pipeline.plan(table)
+    indexes = [c.index for c in plan.chunks]
+    for start in range(0, len(indexes), 4):
+        pipeline.snapshot(spark, table, indexes[start : start + 4], run_id)
+    recorded = None
+    while True:
+        report = pipeline.stream_batch(spark, recorded, run_id)
+        recorded = parse_lsn(str(report.offset["lsn"]))
+        pipeline.advance_slot(recorded)
+        if report.waiting_windows == 0:
+            break
+    initial_seconds = time.monotonic() - started
+    print(f"[stream] initial mirror: {args.initial_rows:,} rows in {initial_seconds:.1f} s", flush=True)
+
+    # 2. workload
+    with admin_connect() as conn:
+        start_lsn = slot_lsn(conn, SOURCE)
+        conn.execute("set synchronous_commit = on")
+        started = time.monotonic()
+        transactions = args.changes // args.tx_size
+        changes = run_workload(conn, TABLE, transactions, args.tx_size)
+        end_lsn = wait_flushed(conn)
+        workload_seconds = time.monotonic() - started
+    wal = end_lsn - start_lsn
+    print(f"[stream] workload: {changes:,} changes, {wal / MB:.1f} MB WAL in {workload_seconds:.1f} s", flush=True)
+
+    # 3. decode limit (peek does not consume)
+    decode = decode_limit(args.decode_repeats)
+    for item in decode:
+        print(f"[stream] {item['kind']}: {item['messages']:,} messages in {item['seconds']:.2f} s", flush=True)
+
+    # 4. ours
+    sampler = Sampler(os.getpid(), lifetime_peak=False).start()
+    batches = []
+    started = time.monotonic()
+    applied = 0
+    while recorded is None or recorded < end_lsn:
+        report = pipeline.stream_batch(spark, recorded, run_id)
+        recorded = parse_lsn(str(report.offset["lsn"]))
+        pipeline.advance_slot(recorded)
+        applied += report.changes
+        batches.append({"t": round(time.monotonic() - started, 2), "changes": report.changes,
+                        "transactions": report.transactions, "seconds": report.seconds,
+                        "phases": getattr(report, "phase_seconds", {}), "lag_bytes": report.lag_bytes})  # fmt: skip
+        print(f"[stream] batch {len(batches)}: {report.changes:,} changes in {report.seconds:.1f} s "
+              f"{batches[-1]['phases']}", flush=True)  # fmt: skip
+        if len(batches) > 10_000:
+            raise RuntimeError("the stream did not reach the end of the workload")
+    apply_seconds = time.monotonic() - started
+    usage = sampler.finish()
+
+    # check
+    mirror = spark.read.format("delta").load(pipeline.lake.table(table.qualified_name).mirror)
+    mirror_sums = mirror.selectExpr("count(*)", "sum(id)", "sum(amount)").first()
+    with admin_connect() as conn:
+        source_sums = conn.execute(f"select count(*), sum(id), sum(amount) from {TABLE}").fetchone()
+    check = {"source": [str(v) for v in source_sums], "mirror": [str(v) for v in mirror_sums]}
+    if [str(v) for v in source_sums] != [str(v) for v in mirror_sums]:
+        raise RuntimeError(f"mirror differs from source: {check}")
+    spark.stop()
+    return {
+        "machine": machine(),
+        "spark_start_seconds": spark_seconds,
+        "initial_rows": args.initial_rows,
+        "initial_seconds": initial_seconds,
+        "workload": {"changes": changes, "transactions": transactions, "seconds": workload_seconds, "wal_bytes": wal},
+        "decode": decode,
+        "ours": {"changes": applied, "seconds": apply_seconds, "batches": batches, "usage": usage_json(usage)},
+        "check": check,
+    }
+
+
+def report(result: dict[str, Any], args: argparse.Namespace) -> None:
+    changes = result["workload"]["changes"]
+    count_runs = [d for d in result["decode"] if d["kind"] == "peek count(*)"]
+    best = min(count_runs, key=lambda d: d["seconds"])
+    limit = changes / best["seconds"]
+    ours = result["ours"]
+    ours_rate = ours["changes"] / ours["seconds"]
+    workload = result["workload"]
+    rows: list[list[Any]] = [
+        ["workload (server procedure)", changes, changes + 2 * workload["transactions"], workload["seconds"],
+         changes / workload["seconds"], None],
+    ]  # fmt: skip
+    for d in result["decode"]:
+        rows.append([f"{d['kind']} #{d['repeat']}", changes, d["messages"], d["seconds"], changes / d["seconds"],
+                     d["pg_cpu"]])  # fmt: skip
+    usage = ours["usage"]
+    rows.append(["ours: stream_batch + advance_slot", ours["changes"], None, ours["seconds"], ours_rate,
+                 usage.get("pg_backends", {}).get("cpu_seconds")])  # fmt: skip
+    print()
+    print_table(
+        f"Streaming throughput ({machine()}; {changes:,} changes in transactions of {args.tx_size}, "
+        f"{result['workload']['wal_bytes'] / MB:.1f} MB WAL, mirror of {args.initial_rows:,} rows, "
+        f"batch bound {args.max_changes:,})",
+        ["what", "changes", "messages", "seconds", "changes/s", "pg cpu s"],
+        rows,
+    )
+    phases: dict[str, float] = {}
+    for batch in ours["batches"]:
+        for name, seconds in batch["phases"].items():
+            phases[name] = phases.get(name, 0.0) + seconds
+    rates = [b["changes"] / b["seconds"] for b in ours["batches"] if b["changes"] and b["seconds"]]
+    print(f"  ratio ours / decode limit: {ours_rate / limit:.3f} ({ours_rate:,.0f} vs {limit:,.0f} changes/s)")
+    print(f"  batches: {len(ours['batches'])}, changes/s per batch p50 {percentile(rates, 50) or 0:,.0f}, "
+          f"min {min(rates, default=0):,.0f}, max {max(rates, default=0):,.0f}")  # fmt: skip
+    print(f"  our phase seconds (sum over batches): { {k: round(v, 1) for k, v in phases.items()} }")
+    print(f"  our processes: {usage}")
+    print(f"  Spark start-up {result['spark_start_seconds']:.1f} s (once, not in the figures above)")
+    plot(result, limit)
+
+
+def plot(result: dict[str, Any], limit: float) -> None:
+    plt = pyplot()
+    batches = result["ours"]["batches"]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    rates = [b["changes"] / b["seconds"] if b["seconds"] else 0 for b in batches]
+    left.bar(range(1, len(batches) + 1), rates, label="ours, per batch")
+    left.axhline(limit, color="red", linestyle="--", label="decode limit (peek count)")
+    left.set_xlabel("batch")
+    left.set_ylabel("changes/s")
+    left.set_yscale("log")
+    left.legend()
+    left.set_title("Changes/s per stream batch")
+    names = sorted({n for b in batches for n in b["phases"]})
+    bottom = [0.0] * len(batches)
+    for name in names:
+        values = [b["phases"].get(name, 0.0) for b in batches]
+        right.bar(range(1, len(batches) + 1), values, bottom=bottom, label=name)
+        bottom = [a + b for a, b in zip(bottom, values, strict=True)]
+    right.set_xlabel("batch")
+    right.set_ylabel("seconds")
+    right.set_title("Batch phases")
+    right.legend(fontsize=8)
+    save_figure(fig, "stream_batches.png")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Read-only change data capture from PostgreSQL into Delta Lake, orchestrated by Dagster."""

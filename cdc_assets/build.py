@@ -1,0 +1,55 @@
+"""Builds the project's ``Definitions`` from a configuration file (see ``cdc_assets.definitions``).
+
+Captured tables are resolved at load time (explicit list + include patterns, from the source's catalog); when the
+source cannot be reached at load time, the explicitly listed tables are used and a warning is logged. Reload the
+code location to pick up a table that newly matches a pattern.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+from dagster import Definitions, define_asset_job
+
+from cdc_assets.assets import build_consistency_check, build_stream_asset, build_table_asset, stream_asset_key
+from cdc_assets.config import CdcConfig, SourceConfig, load_config
+from cdc_assets.lake.pipeline import PostgresPipeline
+from cdc_assets.offsets import build_change_offset_job
+from cdc_assets.postgres.connection import SourceError
+from resources.cdc import CdcResource
+from sensors.planner import build_planner_sensor
+from sensors.stream import build_stream_sensor
+
+log = logging.getLogger(__name__)
+
+
+def captured_table_names(config: CdcConfig, source: SourceConfig) -> list[str]:
+    try:
+        return sorted(PostgresPipeline(config, source).prepare())
+    except SourceError as error:
+        log.warning("%s; using the explicitly configured tables only", error)
+        return [t.qualified_name for t in source.tables]
+
+
+def build_definitions(config_path: str | os.PathLike[str]) -> Definitions:
+    config = load_config(config_path)
+    assets, checks, jobs, sensors = [], [], [], []
+    for source in config.sources:
+        names = captured_table_names(config, source)
+        assets += [build_table_asset(source, name) for name in names]
+        checks += [build_consistency_check(source, name) for name in names]
+        assets.append(build_stream_asset(source, names))
+        stream_job = define_asset_job(f"{source.name}_stream", selection=[stream_asset_key(source.name)])
+        jobs += [stream_job, build_change_offset_job(source.name)]
+        sensors.append(build_stream_sensor(source.name, stream_job.name, source.stream.interval_seconds))
+        if names:
+            sensors.append(build_planner_sensor(source.name, names))
+    return Definitions(
+        assets=assets,
+        asset_checks=checks,
+        jobs=jobs,
+        sensors=sensors,
+        resources={"cdc": CdcResource(config_path=str(Path(config_path).resolve()))},
+    )

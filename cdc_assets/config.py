@@ -1,0 +1,312 @@
+"""The project's configuration file (``cdc.yaml``): sources, captured tables, chunking, streaming, lake, Spark.
+
+Contract: ``load_config(path)`` returns a validated ``CdcConfig`` or raises ``ConfigError`` whose message names the
+offending key (as a dotted path) and the allowed keys or values. ``${NAME}`` in any string value is replaced by the
+environment variable ``NAME`` (an unset variable is an error naming it). A password may only come from the
+environment (``${...}``); its value never appears in ``repr``, messages or metadata.
+
+See ``cdc.yaml`` at the repository root for a documented example.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+STARTUP_MODES = ("initial", "latest", "snapshot", "timestamp")
+SOURCE_KINDS = ("postgres",)
+_ENV_REFERENCE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
+_IDENTIFIER = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
+
+
+class ConfigError(ValueError):
+    """Invalid configuration; the message names the key and the allowed values."""
+
+
+@dataclass(frozen=True)
+class Secret:
+    """A credential: compares by value, never prints it."""
+
+    value: str = field(repr=False)
+
+    def __repr__(self) -> str:
+        return "Secret(***)"
+
+    __str__ = __repr__
+
+
+@dataclass(frozen=True)
+class TableConfig:
+    schema: str
+    name: str
+    surrogate_key: tuple[str, ...] = ()
+    chunk_size: int | None = None
+
+    @property
+    def qualified_name(self) -> str:
+        return f"{self.schema}.{self.name}"
+
+
+@dataclass(frozen=True)
+class PostgresConnection:
+    host: str
+    port: int
+    dbname: str
+    user: str
+    password: Secret | None
+    sslmode: str | None = None
+    connect_timeout: int = 10
+
+    def kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for ``psycopg.connect`` (holds the password: never log this)."""
+        params: dict[str, Any] = {
+            "host": self.host,
+            "port": self.port,
+            "dbname": self.dbname,
+            "user": self.user,
+            "connect_timeout": self.connect_timeout,
+            "application_name": "cdc-lake",
+        }
+        if self.password is not None:
+            params["password"] = self.password.value
+        if self.sslmode:
+            params["sslmode"] = self.sslmode
+        return params
+
+    def describe(self) -> str:
+        return f"postgresql://{self.user}@{self.host}:{self.port}/{self.dbname}"
+
+
+@dataclass(frozen=True)
+class StreamConfig:
+    interval_seconds: int = 5
+    max_changes: int = 100_000
+    max_lag_bytes: int = 256 * 1024 * 1024
+    spill_rows: int = 50_000
+
+
+@dataclass(frozen=True)
+class SourceConfig:
+    name: str
+    kind: str
+    connection: PostgresConnection
+    slot: str
+    publication: str
+    startup_mode: str
+    chunk_size: int
+    read_parallelism: int
+    tables: tuple[TableConfig, ...]
+    include: tuple[str, ...]
+    exclude: tuple[str, ...]
+    stream: StreamConfig
+
+
+@dataclass(frozen=True)
+class SparkConfig:
+    master: str = "local[2]"
+    remote: str | None = None
+    conf: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class CdcConfig:
+    lake_root: Path
+    spark: SparkConfig
+    sources: tuple[SourceConfig, ...]
+
+    def source(self, name: str) -> SourceConfig:
+        for source in self.sources:
+            if source.name == name:
+                return source
+        raise ConfigError(f"unknown source {name!r}; configured sources: {[s.name for s in self.sources]}")
+
+
+def load_config(path: str | os.PathLike[str], environ: dict[str, str] | None = None) -> CdcConfig:
+    """Read and validate the configuration file at ``path`` (see module docstring)."""
+    path = Path(path)
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except FileNotFoundError as error:
+        raise ConfigError(f"configuration file not found: {path}") from error
+    except yaml.YAMLError as error:
+        raise ConfigError(f"{path}: not valid YAML: {error}") from error
+    return parse_config(raw, base_dir=path.parent, environ=os.environ if environ is None else environ)
+
+
+def parse_config(raw: Any, base_dir: Path, environ: dict[str, str] | os._Environ[str]) -> CdcConfig:
+    top = _mapping(raw, "", {"lake_root", "spark", "sources"}, required={"lake_root", "sources"})
+    lake_root = Path(_string(_resolve(top["lake_root"], "lake_root", environ), "lake_root"))
+    if not lake_root.is_absolute():
+        lake_root = (base_dir / lake_root).resolve()
+    spark = _spark(top.get("spark") or {}, environ)
+    sources_raw = top["sources"]
+    if not isinstance(sources_raw, list) or not sources_raw:
+        raise ConfigError("sources: expected a non-empty list of sources")
+    sources = tuple(_source(item, f"sources[{i}]", environ) for i, item in enumerate(sources_raw))
+    names = [s.name for s in sources]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"sources: names must be unique, got {names}")
+    return CdcConfig(lake_root=lake_root, spark=spark, sources=sources)
+
+
+def _spark(raw: Any, environ: Any) -> SparkConfig:
+    spark = _mapping(raw, "spark", {"master", "remote", "conf"})
+    conf_raw = _mapping(spark.get("conf") or {}, "spark.conf", None)
+    conf = {str(k): str(_resolve(v, f"spark.conf.{k}", environ)) for k, v in conf_raw.items()}
+    remote = spark.get("remote")
+    return SparkConfig(
+        master=_string(_resolve(spark.get("master", "local[2]"), "spark.master", environ), "spark.master"),
+        remote=None if remote is None else _string(_resolve(remote, "spark.remote", environ), "spark.remote"),
+        conf=conf,
+    )
+
+
+_SOURCE_KEYS = {
+    "name", "kind", "connection", "slot", "publication", "startup_mode", "chunk_size", "read_parallelism",
+    "tables", "include", "exclude", "stream",
+}  # fmt: skip
+
+
+def _source(raw: Any, where: str, environ: Any) -> SourceConfig:
+    source = _mapping(raw, where, _SOURCE_KEYS, required={"name", "kind", "connection"})
+    name = _identifier(source["name"], f"{where}.name")
+    kind = source["kind"]
+    if kind not in SOURCE_KINDS:
+        raise ConfigError(f"{where}.kind: {kind!r} is not supported; allowed: {', '.join(SOURCE_KINDS)}")
+    mode = source.get("startup_mode", "initial")
+    if mode not in STARTUP_MODES:
+        raise ConfigError(f"{where}.startup_mode: {mode!r} is not allowed; allowed: {', '.join(STARTUP_MODES)}")
+    if mode == "timestamp" and kind == "postgres":
+        raise ConfigError(
+            f"{where}.startup_mode: 'timestamp' is not possible for PostgreSQL: a replication slot cannot start "
+            "in the past; use 'initial' (snapshot, then stream) or 'latest' (stream from now)"
+        )
+    tables = tuple(_table(t, f"{where}.tables[{i}]") for i, t in enumerate(source.get("tables") or []))
+    include = tuple(_string(p, f"{where}.include") for p in source.get("include") or [])
+    exclude = tuple(_string(p, f"{where}.exclude") for p in source.get("exclude") or [])
+    if not tables and not include:
+        raise ConfigError(f"{where}: capture nothing; name tables under 'tables' or patterns under 'include'")
+    return SourceConfig(
+        name=name,
+        kind=kind,
+        connection=_connection(source["connection"], f"{where}.connection", environ),
+        slot=_identifier(source.get("slot", f"cdc_{name}"), f"{where}.slot"),
+        publication=_identifier(source.get("publication", f"cdc_{name}"), f"{where}.publication"),
+        startup_mode=mode,
+        chunk_size=_positive_int(source.get("chunk_size", 50_000), f"{where}.chunk_size"),
+        read_parallelism=_positive_int(source.get("read_parallelism", 2), f"{where}.read_parallelism"),
+        tables=tables,
+        include=include,
+        exclude=exclude,
+        stream=_stream(source.get("stream") or {}, f"{where}.stream"),
+    )
+
+
+def _connection(raw: Any, where: str, environ: Any) -> PostgresConnection:
+    keys = {"host", "port", "dbname", "user", "password", "sslmode", "connect_timeout"}
+    connection = _mapping(raw, where, keys, required={"host", "dbname", "user"})
+    password = connection.get("password")
+    secret = None
+    if password is not None:
+        if not isinstance(password, str) or not _ENV_REFERENCE.fullmatch(password.strip()):
+            raise ConfigError(
+                f"{where}.password: must come from the environment, written as ${{VARIABLE_NAME}}; "
+                "a literal password is not accepted"
+            )
+        secret = Secret(str(_resolve(password.strip(), f"{where}.password", environ)))
+    return PostgresConnection(
+        host=_string(_resolve(connection["host"], f"{where}.host", environ), f"{where}.host"),
+        port=_positive_int(_resolve(connection.get("port", 5432), f"{where}.port", environ), f"{where}.port"),
+        dbname=_string(_resolve(connection["dbname"], f"{where}.dbname", environ), f"{where}.dbname"),
+        user=_string(_resolve(connection["user"], f"{where}.user", environ), f"{where}.user"),
+        password=secret,
+        sslmode=connection.get("sslmode"),
+        connect_timeout=_positive_int(connection.get("connect_timeout", 10), f"{where}.connect_timeout"),
+    )
+
+
+def _stream(raw: Any, where: str) -> StreamConfig:
+    keys = {"interval_seconds", "max_changes", "max_lag_bytes", "spill_rows"}
+    stream = _mapping(raw, where, keys)
+    defaults = StreamConfig()
+    return StreamConfig(**{k: _positive_int(stream.get(k, getattr(defaults, k)), f"{where}.{k}") for k in keys})
+
+
+def _table(raw: Any, where: str) -> TableConfig:
+    if isinstance(raw, str):
+        raw = {"name": raw}
+    table = _mapping(raw, where, {"name", "surrogate_key", "chunk_size"}, required={"name"})
+    schema, name = split_table_name(_string(table["name"], f"{where}.name"), f"{where}.name")
+    surrogate = table.get("surrogate_key") or []
+    if isinstance(surrogate, str):
+        surrogate = [surrogate]
+    chunk_size = table.get("chunk_size")
+    return TableConfig(
+        schema=schema,
+        name=name,
+        surrogate_key=tuple(_string(c, f"{where}.surrogate_key") for c in surrogate),
+        chunk_size=None if chunk_size is None else _positive_int(chunk_size, f"{where}.chunk_size"),
+    )
+
+
+def split_table_name(text: str, where: str) -> tuple[str, str]:
+    parts = text.split(".")
+    if len(parts) == 1:
+        return "public", parts[0]
+    if len(parts) == 2 and all(parts):
+        return parts[0], parts[1]
+    raise ConfigError(f"{where}: {text!r} is not a table name; expected 'schema.table' or 'table'")
+
+
+def _mapping(raw: Any, where: str, allowed: set[str] | None, required: set[str] = frozenset()) -> dict:
+    label = where or "top level"
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{label}: expected a mapping, got {type(raw).__name__}")
+    if allowed is not None:
+        unknown = sorted(set(map(str, raw)) - allowed)
+        if unknown:
+            prefix = f"{where}." if where else ""
+            raise ConfigError(f"unknown key {prefix}{unknown[0]}; allowed keys here: {', '.join(sorted(allowed))}")
+    missing = sorted(required - set(raw))
+    if missing:
+        prefix = f"{where}." if where else ""
+        raise ConfigError(f"missing required key {prefix}{missing[0]}")
+    return raw
+
+
+def _resolve(value: Any, where: str, environ: Any) -> Any:
+    if not isinstance(value, str):
+        return value
+
+    def substitute(match: re.Match[str]) -> str:
+        name = match.group(1)
+        if name not in environ:
+            raise ConfigError(f"{where}: environment variable {name} is not set")
+        return environ[name]
+
+    return _ENV_REFERENCE.sub(substitute, value)
+
+
+def _string(value: Any, where: str) -> str:
+    if not isinstance(value, str) or not value:
+        raise ConfigError(f"{where}: expected a non-empty string, got {value!r}")
+    return value
+
+
+def _identifier(value: Any, where: str) -> str:
+    if not isinstance(value, str) or not _IDENTIFIER.match(value):
+        raise ConfigError(f"{where}: {value!r} is not allowed; use lower-case letters, digits and '_' (max 63)")
+    return value
+
+
+def _positive_int(value: Any, where: str) -> int:
+    if isinstance(value, str) and value.isdigit():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ConfigError(f"{where}: expected a positive integer, got {value!r}")
+    return value

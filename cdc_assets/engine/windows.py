@@ -1,0 +1,63 @@
+"""Chunk windows: which staged chunk reads still wait for reconciliation, and which may close now.
+
+Contract:
+- A ``ChunkWindow`` is one attempt at reading one chunk: the low watermark (``lw_lsn``, the WAL insert position
+  taken just before ``pg_current_snapshot()``, and the snapshot itself), and the high watermark ``hw``.
+- The window log holds events ``staged`` (an attempt's rows are in staging) and ``reconciled`` (that attempt was
+  applied to the mirror). ``open_windows(events)``: for each chunk, its latest staged attempt, unless that attempt is
+  reconciled. An older attempt is superseded by a newer one (a re-materialized partition) and never applied.
+- ``closable(windows, applied_lsn)``: the open windows whose ``hw`` the stream has passed (``hw <= applied_lsn``):
+  every transaction visible to their reads is in the lake, so they can be reconciled.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from datetime import datetime
+
+from cdc_assets.engine.watermark import LowWatermark
+
+STAGED = "staged"
+RECONCILED = "reconciled"
+
+
+@dataclass(frozen=True)
+class ChunkWindow:
+    table: str
+    chunk: int
+    attempt: str
+    lw_lsn: int
+    low_watermark: LowWatermark
+    hw: int
+    rows: int
+    at: datetime
+
+
+@dataclass(frozen=True)
+class WindowEvent:
+    event: str
+    window: ChunkWindow
+
+
+def open_windows(events: Iterable[WindowEvent]) -> list[ChunkWindow]:
+    latest: dict[tuple[str, int], ChunkWindow] = {}
+    reconciled: set[str] = set()
+    for item in events:
+        key = (item.window.table, item.window.chunk)
+        if item.event == STAGED:
+            current = latest.get(key)
+            if current is None or (item.window.at, item.window.attempt) > (current.at, current.attempt):
+                latest[key] = item.window
+        elif item.event == RECONCILED:
+            reconciled.add(item.window.attempt + f"@{item.window.table}@{item.window.chunk}")
+        else:
+            raise ValueError(f"unknown window event {item.event!r}; allowed: {STAGED}, {RECONCILED}")
+    return sorted(
+        (w for w in latest.values() if f"{w.attempt}@{w.table}@{w.chunk}" not in reconciled),
+        key=lambda w: (w.table, w.chunk),
+    )
+
+
+def closable(windows: Iterable[ChunkWindow], applied_lsn: int) -> list[ChunkWindow]:
+    return [w for w in windows if w.hw <= applied_lsn]

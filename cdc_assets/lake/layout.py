@@ -1,0 +1,111 @@
+"""Where a source's tables and control data live in the lake.
+
+Contract (``<lake_root>/<source>/``):
+- ``<schema>.<table>/mirror``, ``/changelog``, ``/staging``: the Delta tables of one captured table.
+- ``_cdc/plans/<schema>.<table>.json``: the table's chunk plan, written once (first writer wins) and never changed.
+- ``_cdc/windows``: the Delta log of chunk window events (see ``cdc_assets.lake.windows``).
+- ``_cdc/waiting/<schema>.<table>@<chunk>.hw``: one small file per staged, not yet reconciled chunk holding its
+  high watermark, so the streaming sensor can see that a window may close without starting Spark. Markers are
+  hints: the window log is the truth, and the stream batch rewrites the markers from it.
+- ``_cdc/spill/<batch>/``: a stream batch's decoded changes (Parquet), removed after the batch.
+The plan, marker and spill folders use the local file system API: the lake root must be a local or mounted path.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from cdc_assets.engine.chunks import ChunkPlan
+
+
+@dataclass(frozen=True)
+class TablePaths:
+    mirror: str
+    changelog: str
+    staging: str
+
+
+class SourceLake:
+    def __init__(self, lake_root: str | os.PathLike[str], source_name: str) -> None:
+        self.root = Path(lake_root) / source_name
+        self.control = self.root / "_cdc"
+
+    def table(self, qualified_name: str) -> TablePaths:
+        base = self.root / qualified_name
+        return TablePaths(str(base / "mirror"), str(base / "changelog"), str(base / "staging"))
+
+    @property
+    def windows(self) -> str:
+        return str(self.control / "windows")
+
+    def spill_dir(self, batch_id: str) -> Path:
+        return self.control / "spill" / batch_id
+
+    # -- chunk plans ---------------------------------------------------------------------------------------
+    def plan_path(self, qualified_name: str) -> Path:
+        return self.control / "plans" / f"{qualified_name}.json"
+
+    def read_plan(self, qualified_name: str) -> ChunkPlan | None:
+        path = self.plan_path(qualified_name)
+        return ChunkPlan.from_json(path.read_text()) if path.exists() else None
+
+    def store_plan(self, plan: ChunkPlan) -> ChunkPlan:
+        """Store ``plan`` unless one is stored already; returns the stored plan (immutable once written)."""
+        path = self.plan_path(plan.table)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as handle:
+            handle.write(plan.to_json())
+            temporary = Path(handle.name)
+        try:
+            os.link(temporary, path)  # atomic, fails when another writer stored a plan first
+        except FileExistsError:
+            pass
+        finally:
+            temporary.unlink()
+        stored = self.read_plan(plan.table)
+        assert stored is not None
+        return stored
+
+    # -- waiting markers -----------------------------------------------------------------------------------
+    def _marker(self, qualified_name: str, chunk: int) -> Path:
+        return self.control / "waiting" / f"{qualified_name}@{chunk:06d}.hw"
+
+    def mark_waiting(self, qualified_name: str, chunk: int, high_watermark: int) -> None:
+        path = self._marker(qualified_name, chunk)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        temporary = path.with_suffix(".tmp")
+        temporary.write_text(str(high_watermark))
+        temporary.replace(path)
+
+    def clear_waiting(self, qualified_name: str, chunk: int) -> None:
+        self._marker(qualified_name, chunk).unlink(missing_ok=True)
+
+    def waiting_markers(self) -> dict[tuple[str, int], int]:
+        folder = self.control / "waiting"
+        markers: dict[tuple[str, int], int] = {}
+        if not folder.exists():
+            return markers
+        for path in folder.glob("*.hw"):
+            name, _, chunk = path.stem.rpartition("@")
+            try:
+                markers[(name, int(chunk))] = int(path.read_text())
+            except (ValueError, FileNotFoundError):
+                continue
+        return markers
+
+    def clear_stale_markers(self, open_chunks: set[tuple[str, int]], older_than: float) -> None:
+        """Remove markers of chunks that are not open, written before the window log was read (a marker written
+        later may belong to a window staged after the read)."""
+        folder = self.control / "waiting"
+        if not folder.exists():
+            return
+        for path in folder.glob("*.hw"):
+            name, _, chunk = path.stem.rpartition("@")
+            try:
+                if (name, int(chunk)) not in open_chunks and path.stat().st_mtime < older_than:
+                    path.unlink(missing_ok=True)
+            except (ValueError, FileNotFoundError):
+                continue

@@ -1,0 +1,361 @@
+"""The operations of one PostgreSQL source: prepare, plan, snapshot chunks, stream a batch, advance the slot.
+
+Contract (Dagster calls these from assets and sensors; tests call them directly):
+- ``prepare()`` checks the role (``REPLICATION``), resolves the captured tables, makes sure the publication covers
+  them and the slot exists (created only when missing and allowed; otherwise ``SourceError`` with the statement an
+  administrator can run). The slot exists before any snapshot window opens, so no change is ever missed.
+- ``plan(table)`` returns the stored chunk plan, planning and storing it on first use (immutable afterwards).
+- ``snapshot(spark, table, chunk_indexes, run_id)`` runs one watermark window (DESIGN.md) around reading the
+  chunks: low watermark, parallel sub-range reads in Spark tasks (psycopg ``COPY`` into Arrow inside each task,
+  ``mapInArrow``), high watermark after the Spark job finished, rows appended to staging under a fresh attempt id,
+  then the window is recorded as ``staged``. A run killed before that record leaves rows no one reads.
+- ``stream_batch(spark, recorded_lsn, run_id)`` reads one bounded batch from the slot (after first moving the slot
+  up to an offset that was recorded but not yet applied to the slot), appends changelogs, applies mirrors, and
+  reconciles every staged chunk whose high watermark the batch has passed. It never moves the slot: the caller
+  records the returned offset first, then calls ``advance_slot``. A batch re-run from the same slot position
+  writes nothing twice (``cdc_assets.lake.mirror``). The offset is also written into each Delta commit's
+  ``userMetadata``.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from functools import cached_property
+
+import psycopg
+import pyarrow as pa
+from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql import functions as F
+from pyspark.sql import types as T
+
+from cdc_assets.config import CdcConfig, PostgresConnection, SourceConfig
+from cdc_assets.engine.chunks import Chunk, ChunkPlan
+from cdc_assets.engine.faults import fault_point
+from cdc_assets.engine.lsn import format_lsn
+from cdc_assets.engine.pg_values import PgColumn, copy_query_to_arrow, spark_schema
+from cdc_assets.engine.windows import RECONCILED, STAGED, ChunkWindow, closable, open_windows
+from cdc_assets.lake import windows as window_log
+from cdc_assets.lake.layout import SourceLake
+from cdc_assets.lake.mirror import append_changelog, apply_changes, fill_unknown, reconcile
+from cdc_assets.lake.retry import commit_with_retry
+from cdc_assets.postgres import catalog, snapshot, stream
+from cdc_assets.postgres.catalog import CapturedTable
+from cdc_assets.postgres.connection import SourceError, connect
+
+USER_METADATA = "spark.databricks.delta.commitInfo.userMetadata"
+
+
+@dataclass
+class SnapshotReport:
+    attempt: str
+    rows: int
+    per_chunk: dict[int, int]
+    seconds: float
+    xmin: int
+    xmax: int
+    hw: int
+
+
+@dataclass
+class StreamReport:
+    offset: dict[str, object]
+    changes: int
+    transactions: int
+    seconds: float
+    lag_bytes: int
+    lag_seconds: float | None
+    reconciled: list[dict[str, object]] = field(default_factory=list)
+    waiting_windows: int = 0
+    per_table: dict[str, dict[str, int]] = field(default_factory=dict)
+    phase_seconds: dict[str, float] = field(default_factory=dict)
+
+
+def _commit_positions(path) -> dict[int, int]:
+    """commit LSN -> commit end LSN (``_cdc_position``) of a batch's transactions, read in the driver."""
+    if path is None:
+        return {}
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(path, columns=["_cdc_commit_lsn", "_cdc_position"])
+    return dict(zip(table.column(0).to_pylist(), table.column(1).to_pylist(), strict=True))
+
+
+def _range_reader(connection: PostgresConnection, source_name: str, table: CapturedTable, attempt: str):
+    """The ``mapInArrow`` function of a chunk read: one ``COPY`` per sub-range row, typed by the shared codec."""
+    columns = list(table.columns)
+
+    def read(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        conn = connect(connection, source_name)
+        try:
+            for batch in batches:
+                for item in batch.to_pylist():
+                    lo = None if item["lo"] is None else tuple(json.loads(item["lo"]))
+                    hi = None if item["hi"] is None else tuple(json.loads(item["hi"]))
+                    query = snapshot.chunk_select(table, lo, hi)
+                    for part in copy_query_to_arrow(conn, query, columns):
+                        part = part.append_column("_cdc_chunk", pa.array([item["chunk"]] * part.num_rows, pa.int32()))
+                        part = part.append_column("_cdc_attempt", pa.array([attempt] * part.num_rows, pa.string()))
+                        yield from part.to_batches()
+        finally:
+            conn.close()
+
+    return read
+
+
+class PostgresPipeline:
+    def __init__(self, config: CdcConfig, source: SourceConfig) -> None:
+        if source.kind != "postgres":
+            raise SourceError(f"source {source.name!r}: kind {source.kind!r} is not handled by PostgresPipeline")
+        self.config = config
+        self.source = source
+        self.lake = SourceLake(config.lake_root, source.name)
+
+    def connect(self) -> psycopg.Connection:
+        return connect(self.source.connection, self.source.name)
+
+    # -- preparation -----------------------------------------------------------------------------------------
+    def prepare(self) -> dict[str, CapturedTable]:
+        with self.connect() as conn:
+            catalog.check_replication_role(conn, self.source)
+            tables = catalog.discover_tables(conn, self.source)
+            if tables:
+                catalog.ensure_publication(conn, self.source, tables)
+            catalog.ensure_slot(conn, self.source)
+        self.__dict__["tables"] = {t.qualified_name: t for t in tables}
+        return self.__dict__["tables"]
+
+    @cached_property
+    def tables(self) -> dict[str, CapturedTable]:
+        return self.prepare()
+
+    def plan(self, table: CapturedTable) -> ChunkPlan:
+        stored = self.lake.read_plan(table.qualified_name)
+        if stored is None:
+            with self.connect() as conn:
+                stored = self.lake.store_plan(snapshot.plan_chunks(conn, table))
+        if stored.key_columns != table.key_columns:
+            raise SourceError(
+                f"source {self.source.name!r}: table {table.qualified_name}: the stored chunk plan uses key "
+                f"{list(stored.key_columns)} but the table's key is now {list(table.key_columns)}; "
+                f"remove {self.lake.plan_path(table.qualified_name)} and the table's lake folder to re-plan"
+            )
+        return stored
+
+    # -- snapshot --------------------------------------------------------------------------------------------
+    def snapshot(
+        self, spark: SparkSession, table: CapturedTable, chunk_indexes: list[int], run_id: str
+    ) -> SnapshotReport:
+        started = time.monotonic()
+        plan = self.plan(table)
+        chunks = [plan.chunks[i] for i in chunk_indexes]
+        attempt = f"{run_id}-{uuid.uuid4().hex[:8]}"
+        paths = self.lake.table(table.qualified_name)
+        with self.connect() as conn:
+            lw_lsn = snapshot.take_insert_lsn(conn)
+            low_watermark = snapshot.take_low_watermark(conn)  # step 1: every read below starts after this
+            rows = self.read_chunks(spark, conn, table, chunks, attempt)
+            writer = rows.write.format("delta").mode("append").partitionBy("_cdc_attempt").option("mergeSchema", "true")
+            commit_with_retry(lambda: writer.save(paths.staging), f"staging {paths.staging}")  # step 2
+            high_watermark = snapshot.take_high_watermark(conn)  # step 3: after every read finished
+        counts = {
+            r["_cdc_chunk"]: r["count"]
+            for r in spark.read.format("delta")
+            .load(paths.staging)
+            .where(F.col("_cdc_attempt") == attempt)
+            .groupBy("_cdc_chunk")
+            .count()
+            .collect()
+        }
+        fault_point("snapshot.before_window_record")
+        now = datetime.now(UTC)
+        windows = [
+            ChunkWindow(table.qualified_name, c.index, attempt, lw_lsn, low_watermark, high_watermark,
+                        counts.get(c.index, 0), now)
+            for c in chunks
+        ]  # fmt: skip
+        window_log.record(spark, self.lake.windows, STAGED, windows)  # step 4
+        for window in windows:
+            self.lake.mark_waiting(window.table, window.chunk, window.hw)
+        return SnapshotReport(
+            attempt=attempt,
+            rows=sum(counts.values()),
+            per_chunk=counts,
+            seconds=time.monotonic() - started,
+            xmin=low_watermark.xmin,
+            xmax=low_watermark.xmax,
+            hw=high_watermark,
+        )
+
+    def read_chunks(
+        self, spark: SparkSession, conn: psycopg.Connection, table: CapturedTable, chunks: list[Chunk], attempt: str
+    ) -> DataFrame:
+        """The rows of ``chunks`` as a lazy Spark frame read in parallel sub-ranges (``_cdc_chunk``,
+        ``_cdc_attempt`` added). The reads happen when the frame is evaluated."""
+        ranges = []
+        for chunk in chunks:
+            observed_max = snapshot.max_integer_key(conn, table) if chunk.hi is None else None
+            for part in snapshot.sub_ranges(table, chunk, self.source.read_parallelism, observed_max):
+                ranges.append(
+                    (chunk.index, None if part.lo is None else json.dumps(part.lo),
+                     None if part.hi is None else json.dumps(part.hi))
+                )  # fmt: skip
+        reader = _range_reader(self.source.connection, self.source.name, table, attempt)
+        schema = T.StructType(
+            [*spark_schema(list(table.columns)).fields, T.StructField("_cdc_chunk", T.IntegerType()),
+             T.StructField("_cdc_attempt", T.StringType())]
+        )  # fmt: skip
+        frame = spark.createDataFrame(ranges, "chunk int, lo string, hi string").repartition(len(ranges))
+        return frame.mapInArrow(reader, schema)
+
+    # -- streaming -------------------------------------------------------------------------------------------
+    def stream_batch(self, spark: SparkSession, recorded_lsn: int | None, run_id: str) -> StreamReport:
+        started = time.monotonic()
+        tables = self.tables
+        batch_id = f"{run_id}-{uuid.uuid4().hex[:8]}"
+        spill_dir = self.lake.spill_dir(batch_id)
+        settings = self.source.stream
+        with self.connect() as conn:
+            confirmed, _ = stream.slot_position(conn, self.source.slot)
+            if recorded_lsn is not None and recorded_lsn > confirmed:
+                # the offset was recorded but the slot did not follow yet (or change_offset moved it): follow now
+                stream.advance_slot(conn, self.source.slot, recorded_lsn)
+            batch = stream.read_batch(
+                conn, self.source.slot, self.source.publication, tables, spill_dir, settings.max_changes,
+                settings.spill_rows,
+            )  # fmt: skip
+            server_flush = stream.current_flush_lsn(conn)
+        phases = {"read": time.monotonic() - started}
+        offset: dict[str, object] = {
+            "lsn": format_lsn(batch.applied_lsn),
+            "lsn_commit": format_lsn(batch.last_commit_lsn) if batch.last_commit_lsn is not None else None,
+            "lsn_proc": format_lsn(batch.last_end_lsn) if batch.last_end_lsn is not None else None,
+            "txId": batch.last_xid,
+            "ts_usec": int(batch.last_commit_ts.timestamp() * 1_000_000) if batch.last_commit_ts else None,
+            "slot": self.source.slot,
+            "publication": self.source.publication,
+        }
+        spark.conf.set(USER_METADATA, json.dumps({"source": self.source.name, "batch": batch_id, **offset}))
+        per_table: dict[str, dict[str, int]] = {}
+        try:
+            transactions = spark.read.parquet(str(batch.transactions_path)) if batch.transactions_path else None
+            positions = _commit_positions(batch.transactions_path)
+            for name, spill in sorted(batch.spills.items()):
+                if not spill.parts or transactions is None:
+                    continue
+                table = tables[name]
+                paths = self.lake.table(name)
+                changes = (
+                    spark.read.option("mergeSchema", "true")
+                    .parquet(*[str(p) for p in spill.parts])
+                    .join(F.broadcast(transactions), "_cdc_commit_lsn")
+                    .cache()
+                )
+                try:
+                    columns = self._columns(table, spill.added_columns)
+                    mark = time.monotonic()
+                    append_changelog(spark, paths.changelog, changes)
+                    phases["changelog"] = phases.get("changelog", 0.0) + time.monotonic() - mark
+                    fault_point("stream.after_changelog")
+                    mark = time.monotonic()
+                    truncate = max(((positions[c], q) for c, q in spill.truncations), default=None)
+                    unknown = apply_changes(
+                        spark, paths.mirror, changes, columns, table.key_columns, set(spill.unchanged_columns), truncate
+                    )
+                    if unknown:
+                        self._fill_unknown(spark, table, paths.mirror, unknown)
+                    phases["merge"] = phases.get("merge", 0.0) + time.monotonic() - mark
+                finally:
+                    changes.unpersist()
+                per_table[name] = {
+                    "changes": spill.changes, "spill_parts": len(spill.parts),
+                    "truncates": len(spill.truncations),
+                }  # fmt: skip
+            mark = time.monotonic()
+            reconciled, waiting = self._reconcile_closed(spark, batch.applied_lsn)
+            phases["reconcile"] = time.monotonic() - mark
+            fault_point("stream.after_lake_commit")
+        finally:
+            spark.conf.unset(USER_METADATA)
+            shutil.rmtree(spill_dir, ignore_errors=True)
+        lag_seconds = None
+        if batch.last_commit_ts is not None:
+            lag_seconds = max(0.0, (datetime.now(UTC) - batch.last_commit_ts).total_seconds())
+        return StreamReport(
+            offset=offset,
+            changes=batch.changes,
+            transactions=batch.transactions,
+            seconds=time.monotonic() - started,
+            lag_bytes=max(0, server_flush - batch.applied_lsn),
+            lag_seconds=lag_seconds,
+            reconciled=reconciled,
+            waiting_windows=waiting,
+            per_table=per_table,
+            phase_seconds={k: round(v, 3) for k, v in phases.items()},
+        )
+
+    def _fill_unknown(self, spark: SparkSession, table: CapturedTable, mirror_path: str, keys: list[tuple]) -> None:
+        """Read the current source rows of keys whose unchanged TOAST values the lake could not know (a read, as a
+        snapshot does), and fill those values into the mirror."""
+        parts: list[pa.Table] = []
+        with self.connect() as conn:
+            for start in range(0, len(keys), 1000):
+                query = snapshot.rows_by_key_select(table, keys[start : start + 1000])
+                parts += list(copy_query_to_arrow(conn, query, list(table.columns)))
+        if parts:
+            # the Arrow table as it is: to_pandas() would turn the _cdc_unrepresentable map into a list of pairs
+            current = spark.createDataFrame(pa.concat_tables(parts), schema=spark_schema(list(table.columns)))
+            fill_unknown(spark, mirror_path, current, table.key_columns)
+
+    def _columns(self, table: CapturedTable, added: list[PgColumn]) -> list[PgColumn]:
+        known = {c.name for c in table.columns}
+        return [*table.columns, *[c for c in added if c.name not in known]]
+
+    def _reconcile_closed(self, spark: SparkSession, applied_lsn: int) -> tuple[list[dict[str, object]], int]:
+        log_read_at = time.time()
+        pending = open_windows(window_log.read_events(spark, self.lake.windows))
+        ready = closable(pending, applied_lsn)
+        done: list[dict[str, object]] = []
+        by_table: dict[str, list[ChunkWindow]] = {}
+        for window in ready:
+            by_table.setdefault(window.table, []).append(window)
+        for name, windows in sorted(by_table.items()):
+            table = self.tables.get(name)
+            if table is None:
+                continue
+            plan = self.plan(table)
+            chunks: dict[int, Chunk] = {c.index: c for c in plan.chunks}
+            paths = self.lake.table(name)
+            results = reconcile(
+                spark, paths.mirror, paths.changelog, paths.staging, list(table.columns), table.key_columns,
+                windows, chunks,
+            )  # fmt: skip
+            counts = {(r.table, r.chunk): (r.kept, r.dropped, r.deleted) for r in results}
+            window_log.record(spark, self.lake.windows, RECONCILED, windows, counts)
+            for r in results:
+                self.lake.clear_waiting(r.table, r.chunk)
+                done.append(
+                    {"table": r.table, "chunk": r.chunk, "event": RECONCILED, "kept": r.kept, "dropped": r.dropped,
+                     "deleted": r.deleted}
+                )  # fmt: skip
+        still_open = [w for w in pending if w not in ready]
+        markers = self.lake.waiting_markers()
+        for window in still_open:
+            if markers.get((window.table, window.chunk)) != window.hw:
+                self.lake.mark_waiting(window.table, window.chunk, window.hw)
+        self.lake.clear_stale_markers({(w.table, w.chunk) for w in still_open}, older_than=log_read_at)
+        return done, len(still_open)
+
+    # -- slot ------------------------------------------------------------------------------------------------
+    def advance_slot(self, lsn: int) -> int:
+        """Move the slot to ``lsn`` (only forward). Call only after the offset ``lsn`` is recorded."""
+        with self.connect() as conn:
+            confirmed, _ = stream.slot_position(conn, self.source.slot)
+            if lsn <= confirmed:
+                return confirmed
+            return stream.advance_slot(conn, self.source.slot, lsn)

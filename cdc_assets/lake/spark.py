@@ -1,0 +1,59 @@
+"""The Spark session with Delta Lake.
+
+Contract: ``spark_session(config)`` returns the process's Spark session (created once, then reused), configured for
+Delta (SQL extension, catalog), the UTC session time zone (the codec's timestamps are UTC instants), Arrow
+transfers, and the user's ``spark.conf``. ``remote`` connects to a Spark Connect server instead of starting a
+driver. A local driver loads the Delta jars that ``scripts/setup.sh`` fetched with Maven into ``.jars/`` (or the
+folder named by ``CDC_JARS_DIR``); Python workers run the driver's interpreter unless ``PYSPARK_PYTHON`` says
+otherwise.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+from pyspark.sql import SparkSession
+
+from cdc_assets.config import SparkConfig
+
+ROOT = Path(__file__).resolve().parents[2]
+
+BASE_CONF: dict[str, str] = {
+    "spark.sql.extensions": "io.delta.sql.DeltaSparkSessionExtension",
+    "spark.sql.catalog.spark_catalog": "org.apache.spark.sql.delta.catalog.DeltaCatalog",
+    "spark.sql.session.timeZone": "UTC",
+    "spark.sql.execution.arrow.pyspark.enabled": "true",
+    "spark.sql.shuffle.partitions": "2",
+    "spark.ui.enabled": "false",
+    "spark.ui.showConsoleProgress": "false",
+    "spark.databricks.delta.retentionDurationCheck.enabled": "false",
+    "spark.databricks.delta.snapshotPartitions": "2",  # default 50: slow state reconstruction of small logs
+    "spark.driver.extraJavaOptions": "-Dderby.system.home=/tmp/cdc-derby",
+}
+
+
+def delta_jars() -> list[str]:
+    folder = Path(os.environ.get("CDC_JARS_DIR", ROOT / ".jars"))
+    jars = sorted(str(p) for p in folder.glob("*.jar"))
+    if not any("delta-spark" in Path(j).name for j in jars):
+        raise RuntimeError(f"no Delta jars in {folder}: run scripts/setup.sh (Maven fetches them from jvm/pom.xml)")
+    return jars
+
+
+def spark_session(config: SparkConfig) -> SparkSession:
+    if config.remote:
+        builder = SparkSession.builder.remote(config.remote)
+        for key, value in config.conf.items():
+            builder = builder.config(key, value)
+        return builder.getOrCreate()
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
+    builder = SparkSession.builder.master(config.master).appName("cdc-lake")
+    conf = {**BASE_CONF, "spark.jars": ",".join(delta_jars()), **config.conf}
+    for key, value in conf.items():
+        builder = builder.config(key, value)
+    session = builder.getOrCreate()
+    session.sparkContext.setLogLevel("ERROR")
+    return session

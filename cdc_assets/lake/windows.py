@@ -1,0 +1,86 @@
+"""The source's chunk window log, an append-only Delta table (``SourceLake.windows``).
+
+Contract: ``record(spark, path, event, windows, counts)`` appends one event row per window (blind appends: parallel
+snapshot runs never conflict, a lost creation race is retried); ``read_events(spark, path)`` returns every event
+as ``WindowEvent``s for ``cdc_assets.engine.windows``. Rows carry the low watermark (``lw_lsn``, ``xmin``, ``xmax``,
+``xip``), the high watermark, the chunk's staged row count, and for ``reconciled`` the kept/dropped/deleted counts.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+
+from pyspark.errors import AnalysisException
+from pyspark.sql import SparkSession
+from pyspark.sql import types as T
+
+from cdc_assets.engine.watermark import LowWatermark
+from cdc_assets.engine.windows import ChunkWindow, WindowEvent
+from cdc_assets.lake.retry import commit_with_retry
+
+SCHEMA = T.StructType(
+    [
+        T.StructField("table", T.StringType()),
+        T.StructField("chunk", T.IntegerType()),
+        T.StructField("attempt", T.StringType()),
+        T.StructField("event", T.StringType()),
+        T.StructField("lw_lsn", T.LongType()),
+        T.StructField("xmin", T.LongType()),
+        T.StructField("xmax", T.LongType()),
+        T.StructField("xip", T.ArrayType(T.LongType())),
+        T.StructField("hw", T.LongType()),
+        T.StructField("rows", T.LongType()),
+        T.StructField("kept", T.LongType()),
+        T.StructField("dropped", T.LongType()),
+        T.StructField("deleted", T.LongType()),
+        T.StructField("at", T.TimestampType()),
+    ]
+)
+
+
+def record(
+    spark: SparkSession,
+    path: str,
+    event: str,
+    windows: list[ChunkWindow],
+    counts: dict[tuple[str, int], tuple[int, int, int]] | None = None,
+) -> None:
+    if not windows:
+        return
+    now = datetime.now(UTC)
+    rows = []
+    for w in windows:
+        kept, dropped, deleted = (counts or {}).get((w.table, w.chunk), (None, None, None))
+        lw = w.low_watermark
+        rows.append(
+            (w.table, w.chunk, w.attempt, event, w.lw_lsn, lw.xmin, lw.xmax, sorted(lw.xip), w.hw, w.rows,
+             kept, dropped, deleted, w.at if event == "staged" else now)
+        )  # fmt: skip
+    frame = spark.createDataFrame(rows, SCHEMA)
+    commit_with_retry(lambda: frame.write.format("delta").mode("append").save(path), f"window log {path}")
+
+
+def read_events(spark: SparkSession, path: str) -> list[WindowEvent]:
+    """Every window event; none when the log does not exist yet. The log is read, not probed with
+    ``DeltaTable.isDeltaTable``: that answers from a cached ``DeltaLog`` and, in a long-lived session that once
+    looked while another process was creating the log, keeps answering False (found by tools/torture.py)."""
+    try:
+        rows = spark.read.format("delta").load(path).collect()
+    except AnalysisException as error:
+        if error.getCondition() in ("PATH_NOT_FOUND", "DELTA_TABLE_NOT_FOUND"):
+            return []
+        raise
+    events = []
+    for r in rows:
+        window = ChunkWindow(
+            table=r["table"],
+            chunk=r["chunk"],
+            attempt=r["attempt"],
+            lw_lsn=r["lw_lsn"],
+            low_watermark=LowWatermark(r["xmin"], r["xmax"], frozenset(r["xip"] or ())),
+            hw=r["hw"],
+            rows=r["rows"] or 0,
+            at=r["at"],
+        )
+        events.append(WindowEvent(r["event"], window))
+    return events

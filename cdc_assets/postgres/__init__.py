@@ -1,0 +1,1 @@
+"""The PostgreSQL source: catalog, slot and publication, chunk reads, watermarks, and the change stream."""

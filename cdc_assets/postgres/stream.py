@@ -1,0 +1,308 @@
+"""Reading one bounded batch of changes from the replication slot and spilling it to Parquet.
+
+Contract:
+- ``read_batch`` peeks (never consumes) the slot with ``pg_logical_slot_peek_binary_changes`` over a server-side
+  cursor, bounded by ``upto_lsn`` = the server's flush LSN taken first and by ``upto_nchanges`` (which stops only at
+  a transaction boundary), decodes pgoutput, and writes every change of a captured table to Parquet files under
+  ``spill_dir/<table>/`` in parts of at most ``spill_rows`` rows, so driver memory stays bounded whatever the size
+  of one transaction. Values are decoded with the same codec as the snapshot path.
+- Each spilled change carries ``_cdc_commit_lsn`` (the commit record's start, known at Begin) and ``_cdc_seq`` (order
+  within its transaction); ``spill_dir/transactions.parquet`` maps each commit to its ``end_lsn`` (the change's
+  ``_cdc_position``), 64-bit xid and commit time.
+- ``applied_lsn`` of the result: every transaction whose commit record ends at or before it is in this batch or in
+  an earlier one. It is the flush LSN when the batch was not cut by ``upto_nchanges``, else the last commit's end.
+- An unchanged TOAST value is recorded in ``_cdc_unchanged`` (column names) and its typed value is NULL; when the
+  old tuple carries the full old row (replica identity FULL) the old value is used instead.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+
+import psycopg
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from cdc_assets.engine.lsn import format_lsn, parse_lsn
+from cdc_assets.engine.pg_values import PgColumn, columns_from_catalog, decode_text_table
+from cdc_assets.engine.pgoutput import UNCHANGED_TOAST, Begin, Commit, PgOutputDecoder, Relation, RowChange, Truncate
+from cdc_assets.engine.watermark import widen_xid
+from cdc_assets.postgres.catalog import CapturedTable
+from cdc_assets.postgres.snapshot import in_recovery
+
+META_COLUMNS = ("_cdc_op", "_cdc_commit_lsn", "_cdc_seq", "_cdc_before_key_only", "_cdc_unchanged")
+
+
+class SchemaChangeError(RuntimeError):
+    """An incompatible change of a captured table's schema; the stream stops."""
+
+
+@dataclass
+class TableSpill:
+    table: CapturedTable
+    columns: list[PgColumn]
+    directory: Path
+    parts: list[Path] = field(default_factory=list)
+    rows: list[tuple] = field(default_factory=list)
+    unchanged_columns: set[str] = field(default_factory=set)
+    truncations: list[tuple[int, int]] = field(default_factory=list)  # (commit_lsn, seq)
+    changes: int = 0
+    added_columns: list[PgColumn] = field(default_factory=list)
+
+    def flush(self) -> None:
+        if not self.rows:
+            return
+        names = [c.name for c in self.columns]
+        ops, commits, seqs, key_only, unchanged, afters, befores = zip(*self.rows, strict=True)
+        after_texts = pa.table(
+            {n: pa.array([a[i] if a else None for a in afters], pa.string()) for i, n in enumerate(names)}
+        )
+        before_texts = pa.table(
+            {n: pa.array([b[i] if b else None for b in befores], pa.string()) for i, n in enumerate(names)}
+        )
+        after = decode_text_table(self.columns, after_texts)
+        before = decode_text_table(self.columns, before_texts)
+        has_after = pa.array([a is not None for a in afters])
+        has_before = pa.array([b is not None for b in befores])
+        after_struct = _struct(after, has_after)
+        before_struct = _struct(before, has_before)
+        part = pa.table(
+            {
+                "_cdc_op": pa.array(ops, pa.string()),
+                "_cdc_commit_lsn": pa.array(commits, pa.int64()),
+                "_cdc_seq": pa.array(seqs, pa.int64()),
+                "_cdc_before_key_only": pa.array(key_only, pa.bool_()),
+                "_cdc_unchanged": pa.array(unchanged, pa.list_(pa.string())),
+                "after": after_struct,
+                "before": before_struct,
+            }
+        )
+        self.directory.mkdir(parents=True, exist_ok=True)
+        path = self.directory / f"part-{len(self.parts):05d}.parquet"
+        pq.write_table(part, path)
+        self.parts.append(path)
+        self.rows = []
+
+
+def _struct(table: pa.Table, present: pa.Array) -> pa.StructArray:
+    arrays = [column.combine_chunks() if column.num_chunks else pa.array([], column.type) for column in table.columns]
+    return pa.StructArray.from_arrays(arrays, names=table.column_names, mask=pc.invert(present))
+
+
+@dataclass
+class Batch:
+    start_lsn: int
+    flush_lsn: int
+    applied_lsn: int
+    cut_by_change_limit: bool
+    transactions: int
+    changes: int
+    last_commit_lsn: int | None
+    last_end_lsn: int | None
+    last_xid: int | None
+    last_commit_ts: datetime | None
+    spills: dict[str, TableSpill]
+    transactions_path: Path | None
+
+
+def current_flush_lsn(conn: psycopg.Connection) -> int:
+    function = "pg_last_wal_replay_lsn" if in_recovery(conn) else "pg_current_wal_flush_lsn"
+    return parse_lsn(conn.execute(f"select {function}()::text").fetchone()[0])
+
+
+def slot_position(conn: psycopg.Connection, slot: str) -> tuple[int, int]:
+    """``(confirmed_flush_lsn, restart_lsn)`` of the slot."""
+    row = conn.execute(
+        "select confirmed_flush_lsn::text, restart_lsn::text from pg_replication_slots where slot_name = %s", [slot]
+    ).fetchone()
+    if row is None:
+        raise RuntimeError(f"replication slot {slot!r} does not exist")
+    return parse_lsn(row[0]), parse_lsn(row[1])
+
+
+def advance_slot(conn: psycopg.Connection, slot: str, lsn: int) -> int:
+    (end,) = conn.execute(
+        "select end_lsn::text from pg_replication_slot_advance(%s, %s::pg_lsn)", [slot, format_lsn(lsn)]
+    ).fetchone()
+    return parse_lsn(end)
+
+
+def has_pending_changes(conn: psycopg.Connection, slot: str, publication: str) -> bool:
+    """Whether the slot holds at least one change for the publication (decodes up to one transaction)."""
+    row = conn.execute(
+        "select 1 from pg_logical_slot_peek_binary_changes(%s, null, 1, 'proto_version', '1', "
+        "'publication_names', %s) limit 1",
+        [slot, publication],
+    ).fetchone()
+    return row is not None
+
+
+def read_batch(
+    conn: psycopg.Connection,
+    slot: str,
+    publication: str,
+    tables: dict[str, CapturedTable],
+    spill_dir: Path,
+    max_changes: int,
+    spill_rows: int,
+) -> Batch:
+    """Read one bounded batch (see module docstring)."""
+    start_lsn, _ = slot_position(conn, slot)
+    flush_lsn = current_flush_lsn(conn)
+    (reference_xid,) = conn.execute("select pg_snapshot_xmax(pg_current_snapshot())::text::bigint").fetchone()
+    decoder = PgOutputDecoder()
+    spills: dict[str, TableSpill] = {}
+    transactions: list[tuple[int, int, int, datetime]] = []
+    seq = itertools.count()
+    rows_read = 0
+    changes = 0
+    current_xid = 0
+    relation_columns: dict[int, list[PgColumn]] = {}
+    with conn.transaction(), conn.cursor(name="cdc_peek") as cursor:
+        cursor.itersize = 5000
+        cursor.execute(
+            "select data from pg_logical_slot_peek_binary_changes(%s, %s::pg_lsn, %s, "
+            "'proto_version', '1', 'publication_names', %s)",
+            [slot, format_lsn(flush_lsn), max_changes, publication],
+        )
+        for (data,) in cursor:
+            rows_read += 1
+            message = decoder.decode(data)
+            if isinstance(message, RowChange):
+                spill = _spill_for(message.relation, tables, spills, spill_dir, relation_columns, conn)
+                if spill is None:
+                    continue
+                changes += 1
+                spill.changes += 1
+                spill.rows.append(_row(message, spill, next(seq)))
+                if len(spill.rows) >= spill_rows:
+                    spill.flush()
+            elif isinstance(message, Begin):
+                current_xid = widen_xid(message.xid, reference_xid)
+                seq = itertools.count()  # order within the transaction: (commit lsn, seq) is unique and stable
+            elif isinstance(message, Commit):
+                transactions.append((message.commit_lsn, message.end_lsn, current_xid, message.commit_ts))
+            elif isinstance(message, Truncate):
+                for relation in message.relations:
+                    spill = _spill_for(relation, tables, spills, spill_dir, relation_columns, conn)
+                    if spill is not None:
+                        changes += 1
+                        spill.changes += 1
+                        position = next(seq)
+                        spill.truncations.append((message.begin.final_lsn, position))
+                        spill.rows.append(("t", message.begin.final_lsn, position, False, [], None, None))
+            elif isinstance(message, Relation):
+                relation_columns.pop(message.relation_id, None)
+    for spill in spills.values():
+        spill.flush()
+    cut = rows_read >= max_changes
+    last = transactions[-1] if transactions else None
+    applied = last[1] if cut and last else max(flush_lsn, start_lsn)
+    transactions_path = None
+    if transactions:
+        spill_dir.mkdir(parents=True, exist_ok=True)
+        transactions_path = spill_dir / "transactions.parquet"
+        commit_lsn, end_lsn, xid, commit_ts = zip(*transactions, strict=True)
+        pq.write_table(
+            pa.table(
+                {
+                    "_cdc_commit_lsn": pa.array(commit_lsn, pa.int64()),
+                    "_cdc_position": pa.array(end_lsn, pa.int64()),
+                    "_cdc_xid": pa.array(xid, pa.int64()),
+                    "_cdc_ts": pa.array(commit_ts, pa.timestamp("us", tz="UTC")),
+                }
+            ),
+            transactions_path,
+        )
+    return Batch(
+        start_lsn=start_lsn,
+        flush_lsn=flush_lsn,
+        applied_lsn=applied,
+        cut_by_change_limit=cut,
+        transactions=len(transactions),
+        changes=changes,
+        last_commit_lsn=last[0] if last else None,
+        last_end_lsn=last[1] if last else None,
+        last_xid=last[2] if last else None,
+        last_commit_ts=last[3] if last else None,
+        spills=spills,
+        transactions_path=transactions_path,
+    )
+
+
+def _spill_for(
+    relation: Relation,
+    tables: dict[str, CapturedTable],
+    spills: dict[str, TableSpill],
+    spill_dir: Path,
+    relation_columns: dict[int, list[PgColumn]],
+    conn: psycopg.Connection,
+) -> TableSpill | None:
+    table = tables.get(relation.qualified_name)
+    if table is None:
+        return None
+    spill = spills.get(relation.qualified_name)
+    if spill is None:
+        spill = TableSpill(table, list(table.columns), spill_dir / relation.qualified_name)
+        spills[relation.qualified_name] = spill
+    if relation.relation_id not in relation_columns:
+        relation_columns[relation.relation_id] = _columns_for_relation(relation, spill, conn)
+    columns = relation_columns[relation.relation_id]
+    if [c.name for c in columns] != [c.name for c in spill.columns]:
+        spill.flush()
+        known = {c.name for c in table.columns} | {c.name for c in spill.added_columns}
+        spill.added_columns += [c for c in columns if c.name not in known]
+        spill.columns = columns
+    return spill
+
+
+def _columns_for_relation(relation: Relation, spill: TableSpill, conn: psycopg.Connection) -> list[PgColumn]:
+    """The relation's columns, typed from the captured table or (for new columns) from the current catalog."""
+    known = {c.name: c for c in [*spill.table.columns, *spill.added_columns]}
+    catalog: dict[str, PgColumn] | None = None
+    columns = []
+    for column in relation.columns:
+        existing = known.get(column.name)
+        if existing is None:
+            if catalog is None:
+                catalog = {c.name: c for c in columns_from_catalog(conn, relation.schema, relation.name)}
+            existing = catalog.get(column.name)
+            if existing is None:
+                raise SchemaChangeError(
+                    f"table {relation.qualified_name}: column {column.name!r} arrived in the stream but is no "
+                    "longer in the catalog; it was added and dropped again while the stream lagged"
+                )
+        elif (existing.domain_oid or existing.type_oid) != column.type_oid or existing.typmod != column.typmod:
+            raise SchemaChangeError(
+                f"table {relation.qualified_name}: column {column.name!r} changed type from {existing.type_name} "
+                f"(oid {existing.type_oid}, typmod {existing.typmod}) to oid {column.type_oid} typmod "
+                f"{column.typmod}; incompatible type changes stop the stream: re-create the mirror or revert"
+            )
+        columns.append(existing)
+    return columns
+
+
+def _row(change: RowChange, spill: TableSpill, seq: int) -> tuple:
+    names = [c.name for c in spill.columns]
+    unchanged: list[str] = []
+    new = None
+    if change.new is not None:
+        values = list(change.new)
+        for index, value in enumerate(values):
+            if value is UNCHANGED_TOAST:
+                old_value = change.old[index] if change.old is not None and not change.old_is_key_only else None
+                if old_value is not None and old_value is not UNCHANGED_TOAST:
+                    values[index] = old_value
+                else:
+                    values[index] = None
+                    unchanged.append(names[index])
+                    spill.unchanged_columns.add(names[index])
+        new = values
+    old = None
+    if change.old is not None:
+        old = [None if v is UNCHANGED_TOAST else v for v in change.old]
+    return (change.op, change.begin.final_lsn, seq, change.old_is_key_only, unchanged, new, old)

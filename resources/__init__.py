@@ -1,0 +1,5 @@
+"""Dagster resources of the project."""
+
+from resources.cdc import CdcResource
+
+__all__ = ["CdcResource"]

@@ -1,0 +1,28 @@
+"""``CdcResource``: the project's configuration file, the lake, Spark, and one pipeline per source."""
+
+from __future__ import annotations
+
+from functools import cached_property
+
+from dagster import ConfigurableResource
+from pyspark.sql import SparkSession
+
+from cdc_assets.config import CdcConfig, load_config
+from cdc_assets.lake.pipeline import PostgresPipeline
+from cdc_assets.lake.spark import spark_session
+
+
+class CdcResource(ConfigurableResource):
+    """Reads ``config_path`` (``cdc.yaml``); credentials come from the environment it names."""
+
+    config_path: str
+
+    @cached_property
+    def config(self) -> CdcConfig:
+        return load_config(self.config_path)
+
+    def pipeline(self, source_name: str) -> PostgresPipeline:
+        return PostgresPipeline(self.config, self.config.source(source_name))
+
+    def spark(self) -> SparkSession:
+        return spark_session(self.config.spark)

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Install everything the project needs on a fresh machine (idempotent):
+#   Debian packages (PostgreSQL 15 server, Java 17, Maven) when missing, a Python 3.11 virtualenv in .venv with
+#   the project and its dev extras from PyPI, and the Delta JVM jars via Maven into the git-ignored .jars/.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+
+need_apt=()
+[ -x /usr/lib/postgresql/15/bin/postgres ] || need_apt+=(postgresql-15 postgresql-client-15)
+command -v java >/dev/null || need_apt+=(openjdk-17-jdk-headless)
+command -v mvn >/dev/null || need_apt+=(maven)
+if [ ${#need_apt[@]} -gt 0 ]; then
+  SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
+  $SUDO apt-get update -q
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -q "${need_apt[@]}"
+fi
+
+PYTHON="${PYTHON:-python3.11}"
+command -v "$PYTHON" >/dev/null || PYTHON=python3
+if [ ! -x .venv/bin/python ]; then
+  "$PYTHON" -m venv .venv
+fi
+.venv/bin/python -m pip install -q --upgrade pip
+.venv/bin/python -m pip install -q -e ".[dev${EXTRAS:+,$EXTRAS}]"
+
+if [ ! -f .jars/.complete ] || [ jvm/pom.xml -nt .jars/.complete ]; then
+  rm -rf .jars
+  (cd jvm && mvn -q -B dependency:copy-dependencies -DoutputDirectory=../.jars -DincludeScope=runtime)
+  touch .jars/.complete
+fi
+echo "setup complete: .venv and .jars ready"

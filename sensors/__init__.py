@@ -1,0 +1,1 @@
+"""Sensors: streaming micro-batches and chunk planning per source."""

@@ -1,0 +1,32 @@
+"""Shared fixtures: services are started once per test session by the project's own scripts."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def postgres_server() -> dict[str, str]:
+    """Start (or reuse) the project's private PostgreSQL cluster; never skip: a missing server is a failure."""
+    subprocess.run([str(ROOT / "scripts" / "pg.sh"), "start"], check=True, capture_output=True, text=True)
+    return {
+        "socket": os.environ.get("CDC_PG_SOCKET", str(ROOT / ".state" / "pg" / "sock")),
+        "port": os.environ.get("CDC_PG_PORT", "54329"),
+    }
+
+
+@pytest.fixture(scope="session")
+def spark():
+    """One local Spark session with Delta for the whole test session."""
+    from cdc_assets.config import SparkConfig
+    from cdc_assets.lake.spark import spark_session
+
+    session = spark_session(SparkConfig(master="local[2]"))
+    yield session
+    session.stop()

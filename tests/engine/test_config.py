@@ -1,0 +1,58 @@
+from pathlib import Path
+
+import pytest
+
+from cdc_assets.config import ConfigError, parse_config
+
+BASE = {
+    "lake_root": "lake",
+    "sources": [
+        {
+            "name": "demo",
+            "kind": "postgres",
+            "connection": {"host": "127.0.0.1", "dbname": "d", "user": "u", "password": "${PGPW}"},
+            "tables": ["public.orders", {"name": "events", "surrogate_key": ["a", "b"]}],
+        }
+    ],
+}
+
+
+def parse(raw: dict, env: dict | None = None):
+    return parse_config(raw, Path("/tmp"), env if env is not None else {"PGPW": "s3cret"})
+
+
+def test_valid_config_and_secret_never_printed() -> None:
+    config = parse(BASE)
+    source = config.source("demo")
+    assert source.connection.password is not None and source.connection.password.value == "s3cret"
+    assert "s3cret" not in repr(config)
+    assert source.tables[1].qualified_name == "public.events"
+    assert source.tables[1].surrogate_key == ("a", "b")
+    assert config.lake_root == Path("/tmp/lake")
+
+
+def test_unknown_key_is_named() -> None:
+    raw = {**BASE, "sources": [{**BASE["sources"][0], "chunk_sise": 5}]}
+    with pytest.raises(ConfigError, match=r"unknown key sources\[0\]\.chunk_sise; allowed keys here: .*chunk_size"):
+        parse(raw)
+
+
+def test_literal_password_refused() -> None:
+    source = {**BASE["sources"][0], "connection": {**BASE["sources"][0]["connection"], "password": "plain"}}
+    with pytest.raises(ConfigError, match="password: must come from the environment") as info:
+        parse({**BASE, "sources": [source]})
+    assert "plain" not in str(info.value)
+
+
+def test_missing_environment_variable_named() -> None:
+    with pytest.raises(ConfigError, match="environment variable PGPW is not set"):
+        parse(BASE, env={})
+
+
+def test_startup_mode_values() -> None:
+    bad = {**BASE, "sources": [{**BASE["sources"][0], "startup_mode": "earliest"}]}
+    with pytest.raises(ConfigError, match="allowed: initial, latest, snapshot, timestamp"):
+        parse(bad)
+    timestamp = {**BASE, "sources": [{**BASE["sources"][0], "startup_mode": "timestamp"}]}
+    with pytest.raises(ConfigError, match="slot cannot start in the past"):
+        parse(timestamp)

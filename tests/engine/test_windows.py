@@ -1,0 +1,52 @@
+"""Which staged chunk windows are open and which may close, on hand-built window events."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+
+import pytest
+
+from cdc_assets.engine.watermark import LowWatermark
+from cdc_assets.engine.windows import RECONCILED, STAGED, ChunkWindow, WindowEvent, closable, open_windows
+
+T0 = datetime(2026, 1, 1, tzinfo=UTC)
+
+
+def window(chunk: int, attempt: str, hw: int, minutes: int = 0, table: str = "public.t") -> ChunkWindow:
+    return ChunkWindow(
+        table, chunk, attempt, 10, LowWatermark(5, 9, frozenset({7})), hw, 100, T0 + timedelta(minutes=minutes)
+    )
+
+
+def test_staged_window_is_open_until_reconciled() -> None:
+    staged = window(0, "a", 500)
+    assert open_windows([WindowEvent(STAGED, staged)]) == [staged]
+    assert open_windows([WindowEvent(STAGED, staged), WindowEvent(RECONCILED, staged)]) == []
+
+
+def test_newer_attempt_supersedes_older_one() -> None:
+    old, new = window(0, "a", 500, minutes=0), window(0, "b", 900, minutes=5)
+    events = [WindowEvent(STAGED, old), WindowEvent(STAGED, new)]
+    assert open_windows(events) == [new]
+    # reconciling the old attempt does not close the new one
+    assert open_windows([*events, WindowEvent(RECONCILED, old)]) == [new]
+    assert open_windows([*events, WindowEvent(RECONCILED, new)]) == []
+
+
+def test_reconciled_attempt_matches_table_and_chunk() -> None:
+    a0, a1 = window(0, "run1", 500), window(1, "run1", 500)
+    other_table = window(0, "run1", 500, table="public.u")
+    events = [WindowEvent(STAGED, a0), WindowEvent(STAGED, a1), WindowEvent(STAGED, other_table)]
+    assert open_windows([*events, WindowEvent(RECONCILED, a0)]) == [a1, other_table]
+
+
+def test_closable_once_the_stream_passed_the_high_watermark() -> None:
+    early, late = window(0, "a", 500), window(1, "a", 900)
+    assert closable([early, late], 499) == []
+    assert closable([early, late], 500) == [early]
+    assert closable([early, late], 10_000) == [early, late]
+
+
+def test_unknown_event_is_refused() -> None:
+    with pytest.raises(ValueError, match="unknown window event 'closed'; allowed: staged, reconciled"):
+        open_windows([WindowEvent("closed", window(0, "a", 1))])

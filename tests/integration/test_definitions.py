@@ -1,0 +1,113 @@
+"""The Dagster glue: definitions load and validate, and the stream asset records the offset, then moves the slot."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import psycopg
+import pytest
+from dagster import AssetKey, DagsterInstance, materialize
+
+from cdc_assets.assets import recorded_offset, stream_asset_key
+from cdc_assets.build import build_definitions
+from cdc_assets.engine.lsn import parse_lsn
+from cdc_assets.offsets import OffsetError, validate_postgres_offset
+from cdc_assets.postgres.stream import slot_position
+from tests.integration.support import READER_PASSWORD, create_source, drop_source
+
+DATABASE = "pipe_defs"
+ROOT = Path(__file__).resolve().parents[2]
+
+CONFIG = """
+lake_root: {lake}
+spark: {{master: "local[2]"}}
+sources:
+  - name: defs
+    kind: postgres
+    connection: {{host: 127.0.0.1, port: 54329, dbname: pipe_defs, user: pipe_defs_reader, password: "${{DEFS_PW}}"}}
+    slot: pipe_defs
+    publication: pipe_defs
+    chunk_size: 100
+    include: ["public.*"]
+    stream: {{interval_seconds: 5}}
+"""
+
+
+@pytest.fixture(scope="module")
+def config_path(postgres_server: dict[str, str], tmp_path_factory: pytest.TempPathFactory):
+    admin_dsn = f"host={postgres_server['socket']} port={postgres_server['port']} user=postgres"
+    create_source(admin_dsn, DATABASE)
+    directory = tmp_path_factory.mktemp("defs")
+    path = directory / "cdc.yaml"
+    path.write_text(CONFIG.format(lake=directory / "lake"))
+    os.environ["DEFS_PW"] = READER_PASSWORD
+    yield path, admin_dsn
+    drop_source(admin_dsn, DATABASE)
+
+
+def test_definitions_build_with_tables_sensors_and_jobs(config_path) -> None:
+    path, _ = config_path
+    defs = build_definitions(path)
+    keys = {key for asset in defs.assets for key in asset.keys}
+    assert {
+        AssetKey(["defs", "public", "items"]),
+        AssetKey(["defs", "public", "pairs"]),
+        AssetKey(["defs", "public", "docs"]),
+        stream_asset_key("defs"),
+    } <= keys
+    assert {s.name for s in defs.sensors} == {"defs_stream_sensor", "defs_planner_sensor"}
+    assert {j.name for j in defs.jobs} == {"defs_stream", "defs_change_offset"}
+    check_keys = {key for checks in defs.asset_checks for key in checks.check_keys}
+    assert {(k.asset_key, k.name) for k in check_keys} == {
+        (AssetKey(["defs", "public", name]), "chunk_matches_source") for name in ("items", "pairs", "docs")
+    }
+
+
+def test_dagster_cli_validates_the_code_location(config_path) -> None:
+    path, _ = config_path
+    env = {**os.environ, "CDC_CONFIG": str(path), "DEFS_PW": READER_PASSWORD}
+    result = subprocess.run(
+        [str(Path(sys.executable).parent / "dagster"), "definitions", "validate", "-m", "cdc_assets.definitions"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "Validation successful" in result.stderr + result.stdout
+    assert READER_PASSWORD not in result.stderr + result.stdout
+
+
+def test_stream_asset_records_offset_then_advances_slot(config_path, spark) -> None:
+    path, admin_dsn = config_path
+    with psycopg.connect(f"{admin_dsn} dbname={DATABASE}", autocommit=True) as admin:
+        admin.execute("set synchronous_commit = on")
+        admin.execute("insert into pairs values (1, 'a', 1, 'x'), (2, 'b', 2, 'y')")
+        before, _ = slot_position(admin, DATABASE)
+    defs = build_definitions(path)
+    stream_asset = next(a for a in defs.assets if stream_asset_key("defs") in a.keys)
+    instance = DagsterInstance.ephemeral()
+    result = materialize([stream_asset], resources=defs.resources, instance=instance)
+    assert result.success
+    metadata = result.asset_materializations_for_node(stream_asset.node_def.name)[0].metadata
+    assert {"lsn", "lsn_commit", "lsn_proc", "txId", "ts_usec", "slot", "publication"} <= set(metadata)
+    assert metadata["changes"].value == 2
+    recorded = recorded_offset(instance, "defs")
+    with psycopg.connect(f"{admin_dsn} dbname={DATABASE}", autocommit=True) as admin:
+        after, _ = slot_position(admin, DATABASE)
+    assert recorded is not None and recorded > before
+    assert after == recorded  # the slot followed the recorded offset, not further
+    rows = spark.read.format("delta").load(str(path.parent / "lake" / "defs" / "public.pairs" / "mirror"))
+    assert rows.count() == 2
+
+
+def test_change_offset_validation_names_field_and_range() -> None:
+    with pytest.raises(OffsetError, match=r"lsn: not a PostgreSQL LSN"):
+        validate_postgres_offset("12345", 0, 100)
+    with pytest.raises(OffsetError, match=r"lsn: 0/5 is outside the allowed range \[0/10, 0/20\]"):
+        validate_postgres_offset("0/5", 0x10, 0x20)
+    assert validate_postgres_offset("0/15", 0x10, 0x20) == parse_lsn("0/15")

@@ -1,0 +1,255 @@
+"""The PostgreSQL source against a real server: decoding, the watermark rule's premises, planning, errors."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import psycopg
+import pytest
+from psycopg import sql
+
+from cdc_assets.config import ConfigError, PostgresConnection, Secret, SourceConfig, StreamConfig, TableConfig
+from cdc_assets.engine.pgoutput import Begin, Commit, PgOutputDecoder, RowChange
+from cdc_assets.engine.watermark import settled_at_low_watermark, widen_xid
+from cdc_assets.postgres.catalog import (
+    check_replication_role,
+    describe_table,
+    discover_tables,
+    ensure_publication,
+    ensure_slot,
+)
+from cdc_assets.postgres.connection import SourceError, connect
+from cdc_assets.postgres.snapshot import chunk_select, plan_chunks, take_high_watermark, take_low_watermark
+
+DATABASE = "source_test"
+PASSWORD = "pw-Z9q"
+
+
+@pytest.fixture(scope="module")
+def admin(postgres_server: dict[str, str]) -> Iterator[psycopg.Connection]:
+    dsn = f"host={postgres_server['socket']} port={postgres_server['port']} user=postgres"
+    root = psycopg.connect(f"{dsn} dbname=postgres", autocommit=True)
+    root.execute(sql.SQL("drop database if exists {} with (force)").format(sql.Identifier(DATABASE)))
+    for slot in root.execute("select slot_name from pg_replication_slots where database = %s", [DATABASE]):
+        root.execute("select pg_drop_replication_slot(%s)", [slot[0]])
+    root.execute(sql.SQL("create database {}").format(sql.Identifier(DATABASE)))
+    for role in ("cdc_reader", "cdc_norepl"):
+        root.execute(sql.SQL("drop role if exists {}").format(sql.Identifier(role)))
+    root.execute(sql.SQL("create role cdc_reader login replication password {}").format(sql.Literal(PASSWORD)))
+    root.execute(sql.SQL("create role cdc_norepl login password {}").format(sql.Literal(PASSWORD)))
+    conn = psycopg.connect(f"{dsn} dbname={DATABASE}", autocommit=True)
+    conn.execute(
+        """
+        create table ints (id bigint primary key, v text);
+        create table pairs (a int, b text, v int, primary key (a, b));
+        create table uuids (id uuid primary key, v int);
+        create table nokey (x int, y int);
+        insert into ints select g, 'v' || g from generate_series(1, 2500) g;
+        insert into pairs select g % 7, 'k' || g, g from generate_series(1, 1000) g;
+        insert into uuids select md5(g::text)::uuid, g from generate_series(1, 999) g;
+        grant select on all tables in schema public to cdc_reader, cdc_norepl;
+        alter role cdc_reader set default_transaction_read_only = on;
+        create publication admin_pub for table ints, pairs, uuids;
+        """
+    )
+    conn.execute("select pg_create_logical_replication_slot('admin_slot', 'pgoutput')")
+    try:
+        yield conn
+    finally:
+        conn.close()
+        for slot in root.execute("select slot_name from pg_replication_slots where database = %s", [DATABASE]):
+            root.execute("select pg_drop_replication_slot(%s)", [slot[0]])
+        root.execute(sql.SQL("drop database {} with (force)").format(sql.Identifier(DATABASE)))
+        root.close()
+
+
+def source_config(user: str = "cdc_reader", **overrides: object) -> SourceConfig:
+    fields: dict[str, object] = {
+        "name": "t",
+        "kind": "postgres",
+        "connection": PostgresConnection("127.0.0.1", 54329, DATABASE, user, Secret(PASSWORD)),
+        "slot": "admin_slot",
+        "publication": "admin_pub",
+        "startup_mode": "initial",
+        "chunk_size": 300,
+        "read_parallelism": 2,
+        "tables": (TableConfig("public", "ints"), TableConfig("public", "pairs"), TableConfig("public", "uuids")),
+        "include": (),
+        "exclude": (),
+        "stream": StreamConfig(),
+    }
+    fields.update(overrides)
+    return SourceConfig(**fields)  # type: ignore[arg-type]
+
+
+def peek(conn: psycopg.Connection, slot: str, publication: str) -> list:
+    decoder = PgOutputDecoder()
+    rows = conn.execute(
+        "select data from pg_logical_slot_peek_binary_changes(%s, null, null, "
+        "'proto_version', '1', 'publication_names', %s)",
+        [slot, publication],
+    ).fetchall()
+    return [decoder.decode(row[0]) for row in rows]
+
+
+def test_savepoint_changes_carry_top_level_xid_and_settled_rule_holds(admin: psycopg.Connection) -> None:
+    """DESIGN.md: logical decoding reports the top-level xid under SAVEPOINT; xip lists top-level xids."""
+    admin.execute("set synchronous_commit = on")
+    reader = connect(source_config().connection, "t")
+    writer = psycopg.connect(admin.info.dsn, autocommit=False)
+    try:
+        _savepoint_scenario(reader, writer, admin)
+    finally:
+        writer.close()
+        reader.close()
+
+
+def _savepoint_scenario(reader: psycopg.Connection, writer: psycopg.Connection, admin: psycopg.Connection) -> None:
+    writer.execute("set synchronous_commit = on")  # the test cluster defaults to off; decoding reads flushed WAL
+    writer.execute("insert into ints values (100001, 'outer')")
+    writer.execute("savepoint s1")
+    writer.execute("update ints set v = 'in-savepoint' where id = 1")
+    writer.execute("release savepoint s1")
+    (top_xid,) = writer.execute("select pg_current_xact_id()::text::bigint").fetchone()
+    lw = take_low_watermark(reader)  # the writer is in progress: unsettled
+    # in progress at LW: either listed in xip or at/above xmax (xmax is latestCompletedXid + 1)
+    assert top_xid in lw.xip or top_xid >= lw.xmax
+    assert not settled_at_low_watermark(top_xid, lw)
+    writer.commit()
+    changes = [m for m in peek(admin, "admin_slot", "admin_pub") if isinstance(m, RowChange)]
+    mine = [c for c in changes if c.new and c.new[0] in ("100001", "1")]
+    assert {c.new[1] for c in mine} == {"outer", "in-savepoint"}
+    (reference,) = reader.execute("select pg_snapshot_xmax(pg_current_snapshot())::text::bigint").fetchone()
+    assert {widen_xid(c.begin.xid, reference) for c in mine} == {top_xid}
+    lw_after = take_low_watermark(reader)
+    assert settled_at_low_watermark(top_xid, lw_after)  # committed before this LW: visible to reads after it
+    assert reader.execute("select v from ints where id = 1").fetchone() == ("in-savepoint",)
+    high = take_high_watermark(reader)
+    commit = [m for m in peek(admin, "admin_slot", "admin_pub") if isinstance(m, Commit)][-1]
+    assert commit.end_lsn <= high  # a visible transaction's commit record ends before the high watermark
+
+
+def test_begin_and_commit_frame_every_change(admin: psycopg.Connection) -> None:
+    admin.execute("delete from pairs where a = 0 and b = 'k7'")
+    admin.execute("update pairs set b = 'moved' where a = 1 and b = 'k1'")
+    messages = peek(admin, "admin_slot", "admin_pub")
+    kinds = [type(m).__name__ for m in messages]
+    assert kinds[0] == "Begin" and kinds[-1] == "Commit"
+    deletes = [m for m in messages if isinstance(m, RowChange) and m.op == "d"]
+    assert deletes and deletes[-1].old_is_key_only and deletes[-1].old[:2] == ("0", "k7")
+    key_change = next(m for m in messages if isinstance(m, RowChange) and m.op == "u" and m.new[1] == "moved")
+    assert key_change.old is not None and key_change.old[:2] == ("1", "k1")
+    assert all(isinstance(m, Begin | Commit) or m.begin is not None for m in messages if not hasattr(m, "columns"))
+
+
+@pytest.mark.parametrize("table", ["ints", "pairs", "uuids"])
+def test_chunk_plan_covers_every_row_exactly_once(admin: psycopg.Connection, table: str) -> None:
+    config = source_config()
+    reader = connect(config.connection, "t")
+    captured = describe_table(reader, config, TableConfig("public", table, chunk_size=300))
+    plan = plan_chunks(reader, captured)
+    assert len(plan.chunks) >= 3
+    seen: list[tuple] = []
+    for chunk in plan.chunks:
+        key = sql.SQL(", ").join(sql.Identifier(c) for c in captured.key_columns)
+        query = sql.SQL("select {} from ({}) c").format(key, chunk_select(captured, chunk.lo, chunk.hi))
+        seen += reader.execute(query).fetchall()
+    everything = reader.execute(
+        sql.SQL("select {} from {}").format(
+            sql.SQL(", ").join(sql.Identifier(c) for c in captured.key_columns), captured.identifier
+        )
+    ).fetchall()
+    assert len(seen) == len(everything) == len(set(seen))
+    assert set(seen) == set(everything)
+    reader.close()
+
+
+def test_read_only_role_uses_existing_slot_and_publication(admin: psycopg.Connection) -> None:
+    config = source_config()
+    reader = connect(config.connection, "t")
+    assert reader.execute("show default_transaction_read_only").fetchone() == ("on",)
+    check_replication_role(reader, config)
+    tables = discover_tables(reader, config)
+    assert [t.qualified_name for t in tables] == ["public.ints", "public.pairs", "public.uuids"]
+    assert ensure_publication(reader, config, tables) == "existing"
+    assert ensure_slot(reader, config) == "existing"
+    reader.close()
+
+
+def test_missing_publication_refused_with_admin_statement_missing_slot_created(admin: psycopg.Connection) -> None:
+    config = source_config(publication="nope_pub", slot="own_slot")
+    reader = connect(config.connection, "t")
+    tables = discover_tables(reader, config)
+    with pytest.raises(SourceError, match=r"publication 'nope_pub' does not exist .* create publication"):
+        ensure_publication(reader, config, tables)
+    assert admin.execute("select count(*) from pg_publication where pubname = 'nope_pub'").fetchone() == (0,)
+    # a REPLICATION role may create its own slot, even with default_transaction_read_only = on
+    assert ensure_slot(reader, config) == "created"
+    assert ensure_slot(reader, config) == "existing"
+    admin.execute("select pg_drop_replication_slot('own_slot')")
+    reader.close()
+
+
+def test_table_without_key_named(admin: psycopg.Connection) -> None:
+    config = source_config(tables=(TableConfig("public", "nokey"),))
+    reader = connect(config.connection, "t")
+    with pytest.raises(SourceError, match=r"table public\.nokey has no primary key; configure a surrogate_key"):
+        discover_tables(reader, config)
+    with_key = source_config(tables=(TableConfig("public", "nokey", surrogate_key=("x", "zz")),))
+    with pytest.raises(SourceError, match=r"surrogate_key column 'zz' does not exist"):
+        discover_tables(reader, with_key)
+    reader.close()
+
+
+def test_role_without_replication_refused(admin: psycopg.Connection) -> None:
+    config = source_config(user="cdc_norepl")
+    conn = connect(config.connection, "t")
+    with pytest.raises(SourceError, match="lacks the REPLICATION attribute"):
+        check_replication_role(conn, config)
+    conn.close()
+
+
+def test_unreachable_database_and_bad_password_never_leak_secret() -> None:
+    unreachable = PostgresConnection("127.0.0.1", 1, DATABASE, "cdc_reader", Secret(PASSWORD), connect_timeout=2)
+    with pytest.raises(SourceError, match=r"cannot connect to postgresql://cdc_reader@127\.0\.0\.1:1/") as info:
+        connect(unreachable, "t")
+    assert PASSWORD not in str(info.value)
+    wrong = PostgresConnection("127.0.0.1", 54329, DATABASE, "cdc_reader", Secret("wrong-" + PASSWORD))
+    with pytest.raises(SourceError, match="password authentication failed") as info:
+        connect(wrong, "t")
+    assert PASSWORD not in str(info.value)
+
+
+def test_config_error_type_is_value_error() -> None:
+    assert issubclass(ConfigError, ValueError)
+
+
+def test_bad_input_fails_clearly_and_moves_no_offset(admin: psycopg.Connection, tmp_path) -> None:
+    from cdc_assets.config import CdcConfig, SparkConfig
+    from cdc_assets.lake.pipeline import PostgresPipeline
+
+    admin.execute("set synchronous_commit = on")
+    admin.execute("update ints set v = v || '' where id < 10")  # changes wait in the slot
+    slot_before = admin.execute(
+        "select confirmed_flush_lsn::text from pg_replication_slots where slot_name = 'admin_slot'"
+    ).fetchone()
+    unreachable = PostgresConnection("127.0.0.1", 1, DATABASE, "cdc_reader", Secret(PASSWORD), connect_timeout=2)
+    cases = [
+        (source_config(tables=(TableConfig("public", "nokey"),)), r"table public\.nokey has no primary key"),
+        (source_config(publication="nope_pub"), r"publication 'nope_pub' does not exist and role 'cdc_reader' may not"),
+        (
+            source_config(connection=unreachable),
+            r"source 't': cannot connect to postgresql://cdc_reader@127\.0\.0\.1:1",
+        ),
+        (source_config(user="cdc_norepl"), r"role 'cdc_norepl' lacks the REPLICATION attribute"),
+    ]
+    for config, message in cases:
+        pipeline = PostgresPipeline(CdcConfig(tmp_path, SparkConfig(), (config,)), config)
+        with pytest.raises(SourceError, match=message) as info:
+            pipeline.stream_batch(None, None, "bad-input")  # type: ignore[arg-type]  # fails before Spark is used
+        assert PASSWORD not in str(info.value)
+    slot_after = admin.execute(
+        "select confirmed_flush_lsn::text from pg_replication_slots where slot_name = 'admin_slot'"
+    ).fetchone()
+    assert slot_after == slot_before
+    assert not list(tmp_path.rglob("*")), "nothing may be written to the lake"
