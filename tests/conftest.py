@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -12,13 +13,18 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="session")
-def postgres_server() -> dict[str, str]:
-    """Start (or reuse) the project's private PostgreSQL cluster; never skip: a missing server is a failure."""
-    subprocess.run([str(ROOT / "scripts" / "pg.sh"), "start"], check=True, capture_output=True, text=True)
-    return {
+def postgres_server() -> Iterator[dict[str, str]]:
+    """Start (or reuse) the project's private PostgreSQL cluster; never skip: a missing server is a failure.
+    A cluster this session started is stopped at its end (one that was already running, e.g. the demo's, is left)."""
+    pg = str(ROOT / "scripts" / "pg.sh")
+    was_running = subprocess.run([pg, "status"], capture_output=True).returncode == 0
+    subprocess.run([pg, "start"], check=True, capture_output=True, text=True)
+    yield {
         "socket": os.environ.get("CDC_PG_SOCKET", str(ROOT / ".state" / "pg" / "sock")),
         "port": os.environ.get("CDC_PG_PORT", "54329"),
     }
+    if not was_running:
+        subprocess.run([pg, "stop"], check=True, capture_output=True, text=True)
 
 
 @pytest.fixture(scope="session")

@@ -332,13 +332,16 @@ class ReconcileResult:
     deleted: int
 
 
-def _range_condition(chunk: Chunk, key_columns: Sequence[str], key_types: dict[str, T.DataType]) -> Column:
-    """Spark condition for ``lo <= key < hi`` over the key columns, compared lexicographically."""
+def _range_condition(
+    chunk: Chunk, key_columns: Sequence[str], key_types: dict[str, T.DataType], alias: str | None = None
+) -> Column:
+    """Spark condition for ``lo <= key < hi`` over the key columns (of table ``alias`` when given), compared
+    lexicographically."""
 
     def compare(values: tuple[str, ...], at_least: bool) -> Column:
         result: Column | None = None
         for i in reversed(range(len(key_columns))):
-            column = F.col(q(key_columns[i]))
+            column = F.col(q(key_columns[i]) if alias is None else f"{alias}.{q(key_columns[i])}")
             literal = F.lit(values[i]).cast(key_types[key_columns[i]])
             if result is None:  # last key column: >= lo / < hi
                 result = column >= literal if at_least else column < literal
@@ -470,6 +473,12 @@ def reconcile(
         condition = _range_condition(chunks[w.chunk], key_columns, key_types)
         in_range = F.when(condition, F.lit(w.chunk)).otherwise(in_range)
         any_range = any_range | condition
+    # the same ranges over the MERGE target: Delta prunes the mirror's files by their key statistics, so a chunk's
+    # reconciliation reads the files that can hold its range instead of the whole mirror
+    target_in_ranges = F.lit(False)
+    for w in windows:
+        if w.attempt not in truncated:
+            target_in_ranges = target_in_ranges | _range_condition(chunks[w.chunk], key_columns, key_types, "t")
     existing = mirror.toDF().where(any_range)
     existing = existing.select(*[F.col(q(k)) for k in key_columns], in_range.alias("_w_chunk"))
     existing = existing.where(F.col("_w_chunk").isNotNull()).join(window_frame, "_w_chunk")
@@ -491,7 +500,10 @@ def reconcile(
             (r["_w_chunk"], r["_kind"]): r["count"] for r in source.groupBy("_w_chunk", "_kind").count().collect()
         }
         if counts:
-            match = " and ".join(f"t.{q(k)} = s.{q(k)}" for k in key_columns)
+            match = F.lit(True)
+            for k in key_columns:
+                match = match & (F.col(f"t.{q(k)}") == F.col(f"s.{q(k)}"))
+            match = match & target_in_ranges
             assignments = {q(n): F.col(f"s.{q(n)}") for n in [*names, UNREPRESENTABLE_COLUMN]}
             assignments |= {q(m): F.col(f"s.{m}") for m in ("_cdc_op", "_cdc_position", "_cdc_ts")}
             assignments[q("_cdc_unknown")] = F.lit(None)
