@@ -1,10 +1,12 @@
 """Dagster assets of one source: a chunk-partitioned asset per captured table, and the stream asset.
 
 Thin glue: the work is in ``cdc_assets.lake.pipeline``. A table asset's partition is one chunk of its stored plan;
-materializing partitions snapshots those chunks in one watermark window and stages them; the stream asset's
-materialization is one micro-batch, and its metadata holds the offset (DDD-4 field names).
+materializing partitions snapshots those chunks in one watermark window and stages them; each of the stream
+asset's materializations is one micro-batch, and its metadata holds the offset (DDD-4 field names). A stream run
+keeps its Spark session across batches for ``stream.run_seconds``, so a batch does not pay a driver start.
 """
 
+import time
 from collections.abc import Iterator
 
 from dagster import (
@@ -14,13 +16,16 @@ from dagster import (
     AssetCheckSeverity,
     AssetExecutionContext,
     AssetKey,
+    AssetMaterialization,
     AssetObservation,
     AssetsDefinition,
     BackfillPolicy,
+    DagsterRunStatus,
     DynamicPartitionsDefinition,
     MaterializeResult,
     MetadataValue,
     RetryPolicy,
+    RunsFilter,
     asset,
     asset_check,
 )
@@ -29,10 +34,14 @@ from cdc_assets.config import SourceConfig
 from cdc_assets.engine.chunks import chunk_index, chunk_partition_key
 from cdc_assets.engine.faults import fault_point
 from cdc_assets.engine.lsn import format_lsn, parse_lsn
+from cdc_assets.lake.pipeline import PostgresPipeline, StreamReport
 
 CHUNKS_PER_RUN = 4
 # a retried step re-reads (snapshot: new attempt, new window) or re-applies idempotently (stream)
 RETRY = RetryPolicy(max_retries=3, delay=5)
+ACTIVE_RUN_STATUSES = [
+    DagsterRunStatus.QUEUED, DagsterRunStatus.NOT_STARTED, DagsterRunStatus.STARTING, DagsterRunStatus.STARTED,
+]  # fmt: skip
 
 
 def table_asset_key(source: str, qualified_name: str) -> AssetKey:
@@ -143,20 +152,27 @@ def build_stream_asset(source: SourceConfig, table_names: list[str]) -> AssetsDe
         group_name=source.name,
         pool=lake_pool(source.name),
         retry_policy=RETRY,
+        output_required=False,  # every batch is recorded as it happens (a materialization event), see below
         kinds={"postgres", "spark", "delta"},
         description=(
             f"Change stream of source {source.name!r}: one materialization per micro-batch from slot "
-            f"{source.slot!r}; metadata holds the offset (lsn, lsn_commit, lsn_proc, txId, ts_usec)."
+            f"{source.slot!r}; metadata holds the offset (lsn, lsn_commit, lsn_proc, txId, ts_usec). A run keeps "
+            f"its Spark session and runs batches for up to stream.run_seconds={source.stream.run_seconds}."
         ),
     )
-    def stream_batch(context: AssetExecutionContext) -> Iterator[MaterializeResult]:
+    def stream_batches(context: AssetExecutionContext) -> Iterator[AssetMaterialization]:
+        """Batches back to back while the run lasts: each batch's offset is recorded (the event is stored when it is
+        yielded), and only then does the slot follow it. The run ends at ``run_seconds``, or after one batch when
+        ``run_seconds`` is 0, or as soon as another run is waiting for the source's lake-write pool."""
         cdc = context.resources.cdc
         pipeline = cdc.pipeline(source.name)
+        spark = cdc.spark()
         recorded = recorded_offset(context.instance, source.name)
-        report = pipeline.stream_batch(cdc.spark(), recorded, context.run_id)
-        for item in report.reconciled:
-            context.log_event(
-                AssetObservation(
+        deadline = time.monotonic() + source.stream.run_seconds
+        while True:
+            report = pipeline.stream_batch(spark, recorded, context.run.run_id)
+            for item in report.reconciled:
+                yield AssetObservation(
                     asset_key=table_asset_key(source.name, item["table"]),
                     partition=chunk_partition_key(item["chunk"]),
                     metadata={
@@ -166,28 +182,63 @@ def build_stream_asset(source: SourceConfig, table_names: list[str]) -> AssetsDe
                         "deleted_from_mirror": item["deleted"],
                     },
                 )
-            )
-        offset = {k: v for k, v in report.offset.items() if v is not None}
-        yield MaterializeResult(
-            metadata={
-                **offset,
-                "changes": report.changes,
-                "transactions": report.transactions,
-                "seconds": round(report.seconds, 3),
-                "changes_per_second": round(report.changes / report.seconds, 1) if report.seconds else 0.0,
-                "lag_bytes": report.lag_bytes,
-                "lag_seconds": round(report.lag_seconds, 3) if report.lag_seconds is not None else 0.0,
-                "reconciled_chunks": len(report.reconciled),
-                "waiting_chunks": report.waiting_windows,
-                "per_table": MetadataValue.json(report.per_table),
-                **{f"seconds_{phase}": seconds for phase, seconds in report.phase_seconds.items()},
-            }
-        )
-        # the offset is recorded: the slot may now follow it (never before)
-        fault_point("stream.after_offset_record")
-        pipeline.advance_slot(parse_lsn(report.offset["lsn"]))
+            yield AssetMaterialization(asset_key=stream_asset_key(source.name), metadata=batch_metadata(report))
+            # the offset is recorded: the slot may now follow it (never before)
+            fault_point("stream.after_offset_record")
+            recorded = parse_lsn(report.offset["lsn"])
+            pipeline.advance_slot(recorded)
+            if not _next_batch_due(context, pipeline, source, deadline):
+                return
 
-    return stream_batch
+    return stream_batches
+
+
+def batch_metadata(report: StreamReport) -> dict[str, object]:
+    """A batch's materialization metadata: the offset (DDD-4 names) and numeric figures the UI plots."""
+    offset = {k: v for k, v in report.offset.items() if v is not None}
+    return {
+        **offset,
+        "changes": report.changes,
+        "transactions": report.transactions,
+        "seconds": round(report.seconds, 3),
+        "changes_per_second": round(report.changes / report.seconds, 1) if report.seconds else 0.0,
+        "lag_bytes": report.lag_bytes,
+        "lag_seconds": round(report.lag_seconds, 3) if report.lag_seconds is not None else 0.0,
+        "reconciled_chunks": len(report.reconciled),
+        "waiting_chunks": report.waiting_windows,
+        "per_table": MetadataValue.json(report.per_table),
+        **{f"seconds_{phase}": seconds for phase, seconds in report.phase_seconds.items()},
+    }
+
+
+def _next_batch_due(
+    context: AssetExecutionContext, pipeline: PostgresPipeline, source: SourceConfig, deadline: float
+) -> bool:
+    """Wait (polling every ``poll_seconds``) until a batch is due; False when the run should end instead."""
+    while time.monotonic() < deadline:
+        if _another_run_needs_the_pool(context, source.name):
+            context.log.info("another run of this source waits for its lake-write pool: ending this stream run")
+            return False
+        if pipeline.pending_work() is not None:
+            return True
+        time.sleep(source.stream.poll_seconds)
+    return False
+
+
+def _another_run_needs_the_pool(context: AssetExecutionContext, source_name: str) -> bool:
+    """Whether another active run writes this source's lake (its offset job, or another stream run)."""
+    stream_key = stream_asset_key(source_name)
+    for record in context.instance.get_run_records(RunsFilter(statuses=ACTIVE_RUN_STATUSES)):
+        run = record.dagster_run
+        if run.run_id == context.run.run_id:
+            continue
+        if run.job_name == change_offset_job_name(source_name) or stream_key in (run.asset_selection or set()):
+            return True
+    return False
+
+
+def change_offset_job_name(source_name: str) -> str:
+    return f"{source_name}_change_offset"
 
 
 def recorded_offset(instance, source_name: str) -> int | None:

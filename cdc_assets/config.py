@@ -88,6 +88,10 @@ class StreamConfig:
     max_changes: int = 100_000
     max_lag_bytes: int = 256 * 1024 * 1024
     spill_rows: int = 50_000
+    # a stream run keeps its Spark session and runs batches for up to this many seconds (0: one batch per run)
+    run_seconds: int = 0
+    # how often a long-lived stream run asks the source whether a batch is due
+    poll_seconds: int = 1
 
 
 @dataclass(frozen=True)
@@ -231,10 +235,14 @@ def _connection(raw: Any, where: str, environ: Any) -> PostgresConnection:
 
 
 def _stream(raw: Any, where: str) -> StreamConfig:
-    keys = {"interval_seconds", "max_changes", "max_lag_bytes", "spill_rows"}
-    stream = _mapping(raw, where, keys)
+    positive = {"interval_seconds", "max_changes", "max_lag_bytes", "spill_rows", "poll_seconds"}
+    stream = _mapping(raw, where, positive | {"run_seconds"})
     defaults = StreamConfig()
-    return StreamConfig(**{k: _positive_int(stream.get(k, getattr(defaults, k)), f"{where}.{k}") for k in keys})
+    values = {k: _positive_int(stream.get(k, getattr(defaults, k)), f"{where}.{k}") for k in positive}
+    run_seconds = stream.get("run_seconds", defaults.run_seconds)
+    if run_seconds != 0:
+        run_seconds = _positive_int(run_seconds, f"{where}.run_seconds")
+    return StreamConfig(**values, run_seconds=run_seconds)
 
 
 def _table(raw: Any, where: str) -> TableConfig:

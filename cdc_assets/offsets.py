@@ -9,7 +9,7 @@ the allowed range; nothing moves.
 
 from dagster import AssetMaterialization, Config, JobDefinition, OpExecutionContext, job, op
 
-from cdc_assets.assets import lake_pool, stream_asset_key
+from cdc_assets.assets import change_offset_job_name, lake_pool, stream_asset_key
 from cdc_assets.engine.lsn import format_lsn, parse_lsn
 from cdc_assets.postgres import stream
 from cdc_assets.postgres.connection import connect
@@ -59,7 +59,7 @@ def build_change_offset_job(source_name: str) -> JobDefinition:
             )
         )
 
-    @job(name=f"{source_name}_change_offset", description="Validate and record a new stream offset (DDD-4).")
+    @job(name=change_offset_job_name(source_name), description="Validate and record a new stream offset (DDD-4).")
     def change_offset_job() -> None:
         change_offset()
 

@@ -5,7 +5,6 @@ instance does not have yet, and in ``initial`` or ``snapshot`` mode request snap
 ranges of ``CHUNKS_PER_RUN`` chunks per run. Run keys make every chunk's initial snapshot requested once.
 """
 
-
 from dagster import (
     AssetSelection,
     DefaultSensorStatus,

@@ -15,6 +15,7 @@ Contract (Dagster calls these from assets and sensors; tests call them directly)
   records the returned offset first, then calls ``advance_slot``. A batch re-run from the same slot position
   writes nothing twice (``cdc_assets.lake.mirror``). The offset is also written into each Delta commit's
   ``userMetadata``.
+- ``pending_work()`` says whether a batch is due (the streaming sensor and a long-lived stream run poll it).
 """
 
 from __future__ import annotations
@@ -352,6 +353,22 @@ class PostgresPipeline:
         return done, len(still_open)
 
     # -- slot ------------------------------------------------------------------------------------------------
+    def pending_work(self) -> str | None:
+        """Why a stream batch is due now, or None: the slot holds a change for the publication, the slot lags the
+        server by more than ``max_lag_bytes`` (advance it so the server can recycle WAL while the captured tables are
+        idle and others are busy), or a staged chunk's high watermark is at or below the server's flush LSN (its
+        window can close). Reads no Delta table (the waiting markers are plain files): cheap enough for a sensor."""
+        with self.connect() as conn:
+            flush = stream.current_flush_lsn(conn)
+            confirmed, _ = stream.slot_position(conn, self.source.slot)
+            if stream.has_pending_changes(conn, self.source.slot, self.source.publication):
+                return "changes waiting in the slot"
+        if flush - confirmed > self.source.stream.max_lag_bytes:
+            return f"slot lags the server by {flush - confirmed} bytes"
+        if any(hw <= flush for hw in self.lake.waiting_markers().values()):
+            return "a chunk window can close"
+        return None
+
     def advance_slot(self, lsn: int) -> int:
         """Move the slot to ``lsn`` (only forward). Call only after the offset ``lsn`` is recorded."""
         with self.connect() as conn:

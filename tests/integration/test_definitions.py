@@ -5,11 +5,13 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import psycopg
 import pytest
-from dagster import AssetKey, DagsterInstance, materialize
+from dagster import AssetKey, DagsterInstance, DagsterRunStatus, materialize
 
 from cdc_assets.assets import recorded_offset, stream_asset_key
 from cdc_assets.build import build_definitions
@@ -111,3 +113,70 @@ def test_change_offset_validation_names_field_and_range() -> None:
     with pytest.raises(OffsetError, match=r"lsn: 0/5 is outside the allowed range \[0/10, 0/20\]"):
         validate_postgres_offset("0/5", 0x10, 0x20)
     assert validate_postgres_offset("0/15", 0x10, 0x20) == parse_lsn("0/15")
+
+
+def long_lived_config(path: Path, run_seconds: int) -> Path:
+    """The module's configuration with stream runs that keep their Spark session for ``run_seconds``."""
+    text = path.read_text().replace(
+        "stream: {interval_seconds: 5}", f"stream: {{interval_seconds: 5, run_seconds: {run_seconds}, poll_seconds: 1}}"
+    )
+    assert f"run_seconds: {run_seconds}" in text
+    long_lived = path.with_name(f"cdc-run-{run_seconds}.yaml")
+    long_lived.write_text(text)
+    return long_lived
+
+
+def test_long_lived_stream_run_records_every_batch_then_moves_the_slot(config_path, spark) -> None:
+    path, admin_dsn = config_path
+    defs = build_definitions(long_lived_config(path, 25))
+    stream_asset = next(a for a in defs.assets if stream_asset_key("defs") in a.keys)
+    instance = DagsterInstance.ephemeral()
+    dsn = f"{admin_dsn} dbname={DATABASE}"
+    errors: list[BaseException] = []
+
+    def write_while_the_run_lasts() -> None:
+        try:
+            with psycopg.connect(dsn, autocommit=True) as admin:
+                admin.execute("set synchronous_commit = on")
+                for i in range(5):
+                    time.sleep(3)
+                    admin.execute("insert into pairs values (%s, 'late', %s, 'z')", [1000 + i, i])
+        except BaseException as error:  # reported by the test
+            errors.append(error)
+
+    with psycopg.connect(dsn, autocommit=True) as admin:
+        admin.execute("set synchronous_commit = on")
+        admin.execute("insert into pairs values (999, 'early', 0, 'z')")
+    writer = threading.Thread(target=write_while_the_run_lasts)
+    writer.start()
+    result = materialize([stream_asset], resources=defs.resources, instance=instance)
+    writer.join()
+    assert result.success and not errors, errors
+    batches = result.asset_materializations_for_node(stream_asset.node_def.name)
+    assert len(batches) >= 2  # one run, several batches, each recorded as it happened
+    assert sum(b.metadata["changes"].value for b in batches) == 6
+    lsns = [parse_lsn(str(b.metadata["lsn"].value)) for b in batches]
+    assert lsns == sorted(lsns)
+    with psycopg.connect(dsn, autocommit=True) as admin:
+        after, _ = slot_position(admin, DATABASE)
+    assert after == recorded_offset(instance, "defs") == lsns[-1]
+    mirror = spark.read.format("delta").load(str(path.parent / "lake" / "defs" / "public.pairs" / "mirror"))
+    assert {999, 1000, 1001, 1002, 1003, 1004} <= {r[0] for r in mirror.select(mirror.columns[0]).collect()}
+
+
+def test_long_lived_stream_run_steps_aside_for_a_waiting_offset_change(config_path, spark) -> None:
+    path, _ = config_path
+    defs = build_definitions(long_lived_config(path, 600))
+    stream_asset = next(a for a in defs.assets if stream_asset_key("defs") in a.keys)
+    instance = DagsterInstance.ephemeral()
+    offset = {"lsn": "0/0", "changed_by": "test", "reason": "waits for the pool"}
+    instance.create_run_for_job(
+        defs.get_job_def("defs_change_offset"),
+        run_config={"ops": {"defs_record_offset": {"config": offset}}},
+        status=DagsterRunStatus.STARTED,  # started; its op waits for the pool slot
+    )
+    started = time.monotonic()
+    result = materialize([stream_asset], resources=defs.resources, instance=instance)
+    assert result.success
+    assert len(result.asset_materializations_for_node(stream_asset.node_def.name)) == 1
+    assert time.monotonic() - started < 300  # ended after its batch, not at run_seconds
