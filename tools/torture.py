@@ -387,8 +387,15 @@ class Cluster:
     def _env(self) -> dict[str, str]:
         return {**os.environ, "CDC_PG_PORT": str(self.port), "CDC_PG_STATE": str(self.state)}
 
+    def running(self) -> bool:
+        status = subprocess.run([str(ROOT / "scripts" / "pg.sh"), "status"], env=self._env(), capture_output=True)
+        return status.returncode == 0
+
     def start(self) -> None:
         subprocess.run([str(ROOT / "scripts" / "pg.sh"), "start"], env=self._env(), check=True, capture_output=True)
+
+    def stop(self) -> None:
+        subprocess.run([str(ROOT / "scripts" / "pg.sh"), "stop"], env=self._env(), check=True, capture_output=True)
 
     def restart(self) -> None:
         subprocess.run([str(ROOT / "scripts" / "pg.sh"), "restart"], env=self._env(), check=True, capture_output=True)
@@ -1615,6 +1622,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         patched=not args.unpatched,
     )
     cluster = Cluster(args.pg_port, args.pg_state.resolve())
+    cluster_was_running = cluster.running()
     cluster.start()
     log_dir = options.work_dir / "logs"
     shutil.rmtree(log_dir, ignore_errors=True)
@@ -1639,6 +1647,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"seed {seed}: FAIL {result.message} ({result.seconds:.0f}s)", flush=True)
     finally:
         pool.stop()
+        if not cluster_was_running:
+            cluster.stop()  # leave nothing running that this command started
     passed = sum(r.passed for r in results)
     print(f"{passed} passed, {len(results) - passed} failed", flush=True)
     return 0 if results and passed == len(results) else 1

@@ -1,0 +1,61 @@
+"""The torture harness (``tools/torture.py``, issue #3) run as a subprocess, in its short form.
+
+- with faults (SIGKILLs at the fault points, an executor loss, a source restart), a seed passes;
+- with ``--broken-reconciliation`` (stream workers treat every transaction as settled), a seed fails: the harness
+  can fail. Every window of the short form is read under concurrent writes, and each chunk's staging write takes
+  seconds, so commits land between a chunk's read and its high watermark; the broken rule then upserts rows older
+  than changes already applied (or resurrects deleted ones, or deletes inserted ones), which the row comparison
+  reports.
+
+Seeds 901 and 903 keep these databases apart from manual runs (``torture_<seed>`` on the harness's own cluster). Each
+test takes three to five minutes on a 2-core machine (Spark drivers start, chunk runs, stream batches); the long
+form (``--seeds 1-100``) is a command, its last result is in the README.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SHORT = ["--duration", "20", "--scale", "0.3", "--rate", "8", "--drop-failed"]
+
+
+def run_torture(work_dir: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "torture.py"), *SHORT, "--work-dir", str(work_dir), *args],
+        cwd=ROOT, capture_output=True, text=True, timeout=2700,
+    )  # fmt: skip
+    log = work_dir / "logs" / "harness.log"
+    if log.exists():
+        print(log.read_text()[-6000:])  # shown by pytest when the test fails
+    return result
+
+
+@pytest.mark.timeout(2800)
+def test_short_form_with_faults_passes(tmp_path: Path) -> None:
+    result = run_torture(tmp_path, "--seeds", "901")
+    output = result.stdout
+    assert result.returncode == 0, f"rc={result.returncode}\n{output}\n{result.stderr[-4000:]}"
+    lines = {int(m.group(1)): m.group(0) for m in re.finditer(r"^seed (\d+): PASS .*$", output, re.M)}
+    assert sorted(lines) == [901], output
+    assert "1 passed, 0 failed" in output
+    faults = [int(re.search(r" faults=(\d+)", line).group(1)) for line in lines.values()]  # type: ignore[union-attr]
+    assert all(f >= 1 for f in faults), output  # at least the source restart
+    assert "pg-restart=1" in lines[901], output
+    for line in lines.values():
+        changes = int(re.search(r" changes=(\d+)", line).group(1))  # type: ignore[union-attr]
+        assert changes > 500, line
+
+
+@pytest.mark.timeout(2800)
+def test_broken_reconciliation_is_caught(tmp_path: Path) -> None:
+    result = run_torture(tmp_path, "--seeds", "903", "--no-faults", "--broken-reconciliation")
+    output = result.stdout
+    assert result.returncode == 1, f"rc={result.returncode}\n{output}\n{result.stderr[-4000:]}"
+    assert re.search(r"^seed 903: FAIL (table|changelog) public\.\w+", output, re.M), output
+    assert "0 passed, 1 failed" in output
