@@ -11,10 +11,11 @@ from pathlib import Path
 
 import psycopg
 import pytest
-from dagster import AssetKey, DagsterInstance, DagsterRunStatus, materialize
+from dagster import AssetKey, DagsterInstance, DagsterRunStatus, build_sensor_context, materialize
 
 from cdc_assets.assets import recorded_offset, stream_asset_key
 from cdc_assets.build import build_definitions
+from cdc_assets.engine.chunks import chunk_partition_key
 from cdc_assets.engine.lsn import parse_lsn
 from cdc_assets.offsets import OffsetError, validate_postgres_offset
 from cdc_assets.postgres.stream import slot_position
@@ -180,3 +181,19 @@ def test_long_lived_stream_run_steps_aside_for_a_waiting_offset_change(config_pa
     assert result.success
     assert len(result.asset_materializations_for_node(stream_asset.node_def.name)) == 1
     assert time.monotonic() - started < 300  # ended after its batch, not at run_seconds
+
+
+def test_planner_requests_initial_snapshot_runs_without_the_chunk_checks(config_path) -> None:
+    path, _ = config_path
+    defs = build_definitions(path)
+    planner = next(s for s in defs.sensors if s.name == "defs_planner_sensor")
+    instance = DagsterInstance.ephemeral()
+    with build_sensor_context(instance=instance, resources=defs.resources, definitions=defs) as context:
+        result = planner.evaluate_tick(context)
+    assert result.run_requests, result
+    for request in result.run_requests:
+        # a range of chunks per run; a chunk check in such a run would fail ("partition_key for a range")
+        assert request.asset_check_keys == [], request
+        assert request.tags["dagster/asset_partition_range_start"] <= request.tags["dagster/asset_partition_range_end"]
+    added = {key for r in result.dynamic_partitions_requests for key in r.partition_keys}
+    assert chunk_partition_key(0) in added, added
