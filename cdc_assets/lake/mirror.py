@@ -22,6 +22,8 @@ Contract:
   A dropped key whose mirror row has ``_cdc_unknown`` columns (its unchanged TOAST values reached the stream before
   the mirror had the row) takes those columns from the staged row when no insert, delete or key change touched the
   key since the window opened: no change carried them, so they have not changed since the read.
+  A chunk whose key range the mirror holds no row of is reconciled by an append of its kept rows (the MERGE would
+  only insert there); a rerun after a crash finds the rows and MERGEs, which changes nothing.
 """
 
 from __future__ import annotations
@@ -499,7 +501,22 @@ def reconcile(
         counts = {
             (r["_w_chunk"], r["_kind"]): r["count"] for r in source.groupBy("_w_chunk", "_kind").count().collect()
         }
-        if counts:
+        # a chunk whose range the mirror holds no row of (the usual first snapshot) is an append: nothing to match,
+        # update or delete there, so its kept rows are inserted without a join (a MERGE would give the same rows)
+        occupied = {r["_w_chunk"] for r in existing.select("_w_chunk").distinct().collect()}
+        empty = sorted({w.chunk for w in windows if w.attempt not in truncated} - occupied)
+        if empty and any(counts.get((c, "u"), 0) for c in empty):
+            mirror_fields = mirror.toDF().schema.fields
+            appended = source.where(F.col("_w_chunk").isin(empty) & (F.col("_kind") == "u"))
+            appended = appended.withColumn("_cdc_unknown", F.lit(None)).select(
+                *[F.col(q(f.name)).cast(f.dataType).alias(f.name) for f in mirror_fields]
+            )
+            commit_with_retry(
+                lambda: appended.write.format("delta").mode("append").save(mirror_path),
+                f"reconcile (append) into {mirror_path}",
+            )
+        merged = source.where(~F.col("_w_chunk").isin(empty)) if empty else source
+        if any(chunk not in empty for chunk, _ in counts):
             match = F.lit(True)
             for k in key_columns:
                 match = match & (F.col(f"t.{q(k)}") == F.col(f"s.{q(k)}"))
@@ -510,7 +527,7 @@ def reconcile(
             fills = fill_assignments(names)
             commit_with_retry(
                 lambda: mirror.alias("t")
-                .merge(source.alias("s"), match)
+                .merge(merged.alias("s"), match)
                 .whenMatchedDelete(condition="s._kind = 'd' and t._cdc_position <= s._cdc_position")
                 .whenMatchedUpdate(condition="s._kind = 'u' and t._cdc_position <= s._cdc_position", set=assignments)
                 .whenMatchedUpdate(condition="s._kind = 'f' and t._cdc_unknown is not null", set=fills)
