@@ -61,7 +61,10 @@ def mirror_schema(columns: Sequence[PgColumn]) -> T.StructType:
 
 
 def ensure_mirror(spark: SparkSession, path: str, columns: Sequence[PgColumn]) -> DeltaTable:
-    """Create the mirror when missing (CDF on); add source columns it lacks (an added column evolves the schema)."""
+    """Create the mirror when missing (CDF and deletion vectors on); add source columns it lacks (an added column
+    evolves the schema). Deletion vectors: a batch's MERGE then marks replaced rows instead of rewriting every file
+    it touches, and random changes touch every file of a big mirror (bench.stream, 1M rows, 83k changes per batch:
+    MERGE 41.8 s over 3 batches with them, 57.7 s without; only tiny mirrors are faster without)."""
     schema = mirror_schema(columns)
 
     def create() -> None:
