@@ -1,6 +1,6 @@
 """Benchmark 4: freshness (commit-to-mirror latency) with the Dagster streaming sensor as deployed.
 
-    .venv/bin/python -m bench.freshness --rate 1000 --duration 180
+    .venv/bin/python -m bench.freshness --rate 1000 --duration 300
 
 Deployment: ``dagster-daemon run -w workspace.yaml`` (sensors, run queue, run launcher; no web UI) with the
 project's ``Definitions`` (``cdc_assets.definitions``), ``DAGSTER_HOME`` = a fresh directory holding a copy of
@@ -193,7 +193,7 @@ def wait_for(predicate: Any, what: str, timeout: float, daemon: subprocess.Popen
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rate", type=float, default=1000.0, help="workload changes/s (default 1000)")
-    parser.add_argument("--duration", type=float, default=180.0, help="workload seconds (default 180)")
+    parser.add_argument("--duration", type=float, default=300.0, help="workload seconds (default 300)")
     parser.add_argument("--tx-size", type=int, default=10)
     parser.add_argument("--rows", type=int, default=50_000, help="rows of bench_fresh before the workload")
     parser.add_argument("--chunk-size", type=int, default=10_000)

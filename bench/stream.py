@@ -1,6 +1,6 @@
 """Benchmark 2: streaming throughput, against the decoding rate of the same WAL (the limit).
 
-    .venv/bin/python -m bench.stream --changes 1000000
+    .venv/bin/python -m bench.stream --changes 200000
 
 Steps, in one process (its Spark driver is started once, as a long-lived driver would be; with Dagster every batch
 run starts its own, see ``bench.freshness``):
@@ -119,7 +119,7 @@ def decode_limit(repeats: int) -> list[dict[str, Any]]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--changes", type=int, default=1_000_000, help="workload changes (default 1M)")
+    parser.add_argument("--changes", type=int, default=200_000, help="workload changes (default 200k)")
     parser.add_argument("--tx-size", type=int, default=10, help="changes per transaction (default 10)")
     parser.add_argument("--initial-rows", type=int, default=1_000_000, help="rows before the workload (default 1M)")
     parser.add_argument("--chunk-size", type=int, default=250_000)
