@@ -356,11 +356,16 @@ def report(result: dict[str, Any], args: argparse.Namespace) -> None:
         ["seconds", "rows timed", "mean", "p50", "p95", "max", "min"],
         lines,
     )
-    runs = [r for r in result["runs"] if r["created"] >= result["workload_start"] - 60]
+    # a stream run started before the workload (during the initial snapshot) keeps applying batches during it
+    batches_by_run = {
+        r["run_id"]: [b for b in r.get("batches", []) if b["materialized"] >= result["workload_start"]]
+        for r in result["runs"]
+    }
+    runs = [r for r in result["runs"] if batches_by_run[r["run_id"]]]
     gaps = [b["created"] - a["created"] for a, b in itertools.pairwise(runs)]
     print(f"  workload: {result['changes']:,} changes; rows timed (inserts + updates): {len(changes):,}, "
           f"without a matching run: {result['unmatched']}")  # fmt: skip
-    batch_seconds = [b["seconds"] for r in runs for b in r.get("batches", [])]
+    batch_seconds = [b["seconds"] for r in runs for b in batches_by_run[r["run_id"]]]
     batch_p50 = percentile(batch_seconds, 50) or 0.0
     first = sum(1 for c in changes if c.get("first_batch"))
     print(f"  stream runs during the workload: {len(runs)} with {len(batch_seconds)} batches; between run creations "

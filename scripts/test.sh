@@ -7,7 +7,7 @@ cd "$ROOT"
 scripts/setup.sh
 .venv/bin/ruff check cdc_assets tests
 set +e
-.venv/bin/python -m pytest tests "$@"
+.venv/bin/python -m pytest tests --durations=10 "$@"
 status=$?
 set -e
 if [ "$status" -eq 5 ]; then
