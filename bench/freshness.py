@@ -23,9 +23,9 @@ Spark session start and pipeline preparation; batch start = materialization time
 **batch** (batch started -> mirror commit). For a later batch of a running stream run, wait = source commit ->
 batch started (the run's poll), launch = startup = 0. The parts add up to the latency exactly.
 
-Output: results table, ``bench/out/freshness-<utc>.json``, ``bench/out/freshness.png`` (latency over time and the
-parts per run). ``--keep`` keeps DAGSTER_HOME and the lake (``bench/out/work``); the daemon log is
-``bench/out/logs/freshness-daemon.log``.
+Output: results table, ``bench/out/freshness-<utc>.json``, ``bench/out/freshness.png`` (latency over time, latency
+distribution with p50/p95, and the parts of each stream batch during the workload). ``--keep`` keeps DAGSTER_HOME
+and the lake (``bench/out/work``); the daemon log is ``bench/out/logs/freshness-daemon.log``.
 """
 
 from __future__ import annotations
@@ -339,6 +339,15 @@ def analyse(result: dict[str, Any], lake: Path) -> None:
     result["unmatched"] = sum(1 for c in changes if "run" not in c)
 
 
+def workload_batches(result: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
+    """Per stream run, its batches committed during or after the workload; a run started before the workload
+    (during the initial snapshot) keeps applying batches during it."""
+    return {
+        r["run_id"]: [b for b in r.get("batches", []) if b["materialized"] >= result["workload_start"]]
+        for r in result["runs"]
+    }
+
+
 def report(result: dict[str, Any], args: argparse.Namespace) -> None:
     changes = result["latencies"]
     lines = []
@@ -356,11 +365,7 @@ def report(result: dict[str, Any], args: argparse.Namespace) -> None:
         ["seconds", "rows timed", "mean", "p50", "p95", "max", "min"],
         lines,
     )
-    # a stream run started before the workload (during the initial snapshot) keeps applying batches during it
-    batches_by_run = {
-        r["run_id"]: [b for b in r.get("batches", []) if b["materialized"] >= result["workload_start"]]
-        for r in result["runs"]
-    }
+    batches_by_run = workload_batches(result)
     runs = [r for r in result["runs"] if batches_by_run[r["run_id"]]]
     gaps = [b["created"] - a["created"] for a, b in itertools.pairwise(runs)]
     print(f"  workload: {result['changes']:,} changes; rows timed (inserts + updates): {len(changes):,}, "
@@ -379,14 +384,23 @@ def report(result: dict[str, Any], args: argparse.Namespace) -> None:
 
 def plot(result: dict[str, Any]) -> None:
     plt = pyplot()
-    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4))
+    fig, (left, middle, right) = plt.subplots(1, 3, figsize=(16, 4))
     changes = result["latencies"]
     left.plot([c["t"] for c in changes], [c["latency"] for c in changes], ".", markersize=1)
     left.set_xlabel("source commit, seconds since workload start")
     left.set_ylabel("commit-to-mirror seconds")
     left.set_title("Latency per change")
-    runs = [r for r in result["runs"] if r.get("batch_start") and r["created"] >= result["workload_start"] - 60]
-    batches = [(r, b) for r in runs for b in r["batches"]]
+    latencies = [c["latency"] for c in changes]
+    middle.hist(latencies, bins=60)
+    for label, value in (("p50", percentile(latencies, 50)), ("p95", percentile(latencies, 95))):
+        if value is not None:
+            middle.axvline(value, color="black", linestyle="--")
+            middle.text(value, middle.get_ylim()[1] * 0.9, f" {label} {value:.1f} s")
+    middle.set_xlabel("commit-to-mirror seconds")
+    middle.set_ylabel("changes")
+    middle.set_title("Latency distribution")
+    by_run = workload_batches(result)
+    batches = [(r, b) for r in result["runs"] for b in by_run[r["run_id"]]]
     parts = {
         "launch": [r["started"] - r["created"] if b["first"] else 0.0 for r, b in batches],
         "startup": [b["batch_start"] - r["started"] if b["first"] else 0.0 for r, b in batches],
@@ -398,7 +412,7 @@ def plot(result: dict[str, Any]) -> None:
         bottom = [a + b for a, b in zip(bottom, values, strict=True)]
     right.set_xlabel("stream batch")
     right.set_ylabel("seconds")
-    right.set_title("Run parts")
+    right.set_title("Stream batches during the workload")
     right.legend()
     save_figure(fig, "freshness.png")
 
