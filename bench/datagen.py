@@ -167,9 +167,13 @@ class PacedWorkload:
                         self.changes += run_workload(conn, self.table, due, self.tx_size)
                         transactions += due
                         self.series.append((time.monotonic(), self.changes))
+                        self.after_step(conn)
                     self._stop.wait(self.tick)
         except BaseException as error:  # surfaced by stop()
             self.error = error
+
+    def after_step(self, conn: psycopg.Connection) -> None:
+        """Called after each step's transactions committed, on the workload's connection."""
 
     def stop(self) -> int:
         self._stop.set()

@@ -32,8 +32,11 @@ import sys
 import threading
 import time
 import uuid
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import psycopg
 
 from bench.common import (
     MB,
@@ -52,7 +55,7 @@ from bench.common import (
     save_json,
     start_worker,
 )
-from bench.datagen import PacedWorkload, create_hot_table, ensure_table, install_workload, run_workload
+from bench.datagen import PacedWorkload, create_hot_table, ensure_table, install_workload
 
 SOURCE = "bench_lag"
 HOT = "bench_hot"
@@ -162,28 +165,15 @@ class LagSampler:
         self._thread.join()
 
 
+@dataclass
 class MarkedWorkload(PacedWorkload):
     """The paced workload, also recording (wall time, WAL insert LSN) after each step."""
 
-    marks: list[tuple[float, int]]
+    marks: list[tuple[float, int]] = field(default_factory=list)
 
-    def _run(self) -> None:
-        self.marks = []
-        try:
-            with admin_connect() as conn:
-                conn.execute("set synchronous_commit = on")
-                started = time.monotonic()
-                transactions = 0
-                while not self._stop.is_set():
-                    due = int((time.monotonic() - started) * self.rate / self.tx_size) - transactions
-                    if due > 0:
-                        self.changes += run_workload(conn, self.table, due, self.tx_size)
-                        transactions += due
-                        (lsn,) = conn.execute("select pg_current_wal_insert_lsn()::text").fetchone()
-                        self.marks.append((time.time(), lsn_int(lsn)))
-                    self._stop.wait(self.tick)
-        except BaseException as error:  # surfaced by stop()
-            self.error = error
+    def after_step(self, conn: psycopg.Connection) -> None:
+        (lsn,) = conn.execute("select pg_current_wal_insert_lsn()::text").fetchone()
+        self.marks.append((time.time(), lsn_int(lsn)))
 
 
 def lag_seconds(marks: list[tuple[float, int]], at: float, confirmed: int) -> float:
