@@ -113,7 +113,9 @@ class Instance:
 
     def stream_metadata(self) -> list[tuple[float, str, dict[str, Any]]]:
         out = []
-        for record in self.materializations([SOURCE, "_stream"]):
+        from cdc_assets.assets import stream_asset_key
+
+        for record in self.materializations(stream_asset_key(SOURCE).path):
             entry = record.event_log_entry
             metadata = entry.dagster_event.event_specific_data.materialization.metadata
             out.append((entry.timestamp, entry.run_id, {k: v.value for k, v in metadata.items()}))
@@ -121,12 +123,12 @@ class Instance:
 
     def active_runs(self) -> int:
         """Active runs other than stream runs (a stream run lasts ``stream.run_seconds``)."""
-        from dagster import DagsterRunStatus, RunsFilter
+        from dagster import RunsFilter
 
-        active = [DagsterRunStatus.QUEUED, DagsterRunStatus.NOT_STARTED, DagsterRunStatus.STARTING,
-                  DagsterRunStatus.STARTED]  # fmt: skip
-        records = self.instance.get_run_records(RunsFilter(statuses=active))
-        return sum(1 for r in records if r.dagster_run.job_name != f"{SOURCE}_stream")
+        from cdc_assets.assets import ACTIVE_RUN_STATUSES, stream_job_name
+
+        records = self.instance.get_run_records(RunsFilter(statuses=ACTIVE_RUN_STATUSES))
+        return sum(1 for r in records if r.dagster_run.job_name != stream_job_name(SOURCE))
 
     def failed_runs(self) -> dict[str, str]:
         """run id -> job name and failure message of every failed run."""
@@ -143,8 +145,10 @@ class Instance:
     def stream_runs(self) -> list[dict[str, Any]]:
         from dagster import DagsterEventType, RunsFilter
 
+        from cdc_assets.assets import stream_job_name
+
         runs = []
-        for record in self.instance.get_run_records(RunsFilter(job_name=f"{SOURCE}_stream"), ascending=True):
+        for record in self.instance.get_run_records(RunsFilter(job_name=stream_job_name(SOURCE)), ascending=True):
             run_id = record.dagster_run.run_id
             step_start = [e.timestamp for e in self.instance.all_logs(run_id, of_type=DagsterEventType.STEP_START)]
             mats = self.instance.all_logs(run_id, of_type=DagsterEventType.ASSET_MATERIALIZATION)

@@ -241,6 +241,10 @@ def change_offset_job_name(source_name: str) -> str:
     return f"{source_name}_change_offset"
 
 
+def stream_job_name(source_name: str) -> str:
+    return f"{source_name}_stream"
+
+
 def recorded_offset(instance, source_name: str) -> int | None:
     event = instance.get_latest_materialization_event(stream_asset_key(source_name))
     if event is None or event.asset_materialization is None:

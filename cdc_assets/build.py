@@ -13,7 +13,13 @@ from pathlib import Path
 
 from dagster import Definitions, define_asset_job
 
-from cdc_assets.assets import build_consistency_check, build_stream_asset, build_table_asset, stream_asset_key
+from cdc_assets.assets import (
+    build_consistency_check,
+    build_stream_asset,
+    build_table_asset,
+    stream_asset_key,
+    stream_job_name,
+)
 from cdc_assets.config import CdcConfig, SourceConfig, load_config
 from cdc_assets.lake.pipeline import PostgresPipeline
 from cdc_assets.offsets import build_change_offset_job
@@ -41,7 +47,7 @@ def build_definitions(config_path: str | os.PathLike[str]) -> Definitions:
         assets += [build_table_asset(source, name) for name in names]
         checks += [build_consistency_check(source, name) for name in names]
         assets.append(build_stream_asset(source, names))
-        stream_job = define_asset_job(f"{source.name}_stream", selection=[stream_asset_key(source.name)])
+        stream_job = define_asset_job(stream_job_name(source.name), selection=[stream_asset_key(source.name)])
         jobs += [stream_job, build_change_offset_job(source.name)]
         sensors.append(build_stream_sensor(source.name, stream_job.name, source.stream.interval_seconds))
         if names:
