@@ -109,8 +109,9 @@ def build_consistency_check(source: SourceConfig, qualified_name: str) -> AssetC
         required_resource_keys={"cdc"},
         blocking=False,
         description=(
-            "Row count and checksum of the chunk's key range, source vs mirror, in a watermark window (keys that "
-            "concurrent transactions touch are left out). Repair a failing chunk by re-materializing its partition."
+            "Row count and checksum of the chunk's key range, computed by PostgreSQL and by Spark over the mirror, in "
+            "a watermark window (keys that concurrent transactions touch are left out). Repair a failing chunk by "
+            "re-materializing its partition."
         ),
     )
     def chunk_matches_source(context: AssetCheckExecutionContext) -> AssetCheckResult:

@@ -1,30 +1,50 @@
 """Per-chunk consistency check: does the mirror hold exactly the source's rows of one chunk?
 
-Contract: ``check_chunk(pipeline, spark, table, index)`` runs a watermark window like a snapshot (low watermark,
-parallel read of the chunk from the source, high watermark), waits until the stream has applied everything up to
-the high watermark (the slot's ``confirmed_flush_lsn`` passed it, or ``wait_seconds`` expire: then the result is
-inconclusive, never a false alarm), and compares source and mirror over the chunk's key range, leaving out the
-keys that transactions not settled at the low watermark touched (the same rule as reconciliation, so concurrent
-writes cause no false alarm). The comparison is a row count and an order-independent checksum (sum of a 64-bit
-hash of every column, ``_cdc_unrepresentable`` included) computed on Spark over the same typed values on both
-sides, so the source side is exactly what a snapshot would stage. On a mismatch the first differing key is named
-with both rows. Nothing is written anywhere.
+Contract: ``check_chunk(pipeline, spark, table, index)`` runs a watermark window like a snapshot: low watermark; in
+one ``REPEATABLE READ, READ ONLY`` transaction PostgreSQL computes the chunk's row count and checksum (the sum of
+``row_digest.source_row_digest`` over the key range); high watermark. It then waits until the stream has applied
+everything up to the high watermark (the slot's ``confirmed_flush_lsn`` passed it, or ``wait_seconds`` expire: then
+the result is inconclusive, never a false alarm), and compares with the same count and checksum computed on Spark
+over the mirror's key range (``mirror_row_digest``), leaving out on both sides the keys that transactions not
+settled at the low watermark touched (the same rule as reconciliation, so concurrent writes cause no false alarm;
+the source side subtracts those keys' digests in the same transaction). Only counts, sums and the excluded keys
+cross the wire. On a mismatch the first differing key (in key-text order) is named with both rows' column texts,
+taken in the same transaction. Nothing is written anywhere.
 """
 
 from __future__ import annotations
 
+import json
 import time
-import uuid
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
+import psycopg
 from delta.tables import DeltaTable
-from pyspark.sql import Column, DataFrame, SparkSession
+from psycopg import sql
+from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
+from cdc_assets.engine.chunks import Chunk
 from cdc_assets.engine.pg_values import UNREPRESENTABLE_COLUMN, spark_schema
+from cdc_assets.engine.watermark import LowWatermark
+from cdc_assets.lake.layout import TablePaths
 from cdc_assets.lake.mirror import _key_struct, _range_condition, _unsettled, q
+from cdc_assets.lake.row_digest import (
+    mirror_column_texts,
+    mirror_key_text,
+    mirror_row_digest,
+    source_column_texts,
+    source_key_text,
+    source_row_digest,
+)
 from cdc_assets.postgres import snapshot, stream
 from cdc_assets.postgres.catalog import CapturedTable
+
+if TYPE_CHECKING:
+    from cdc_assets.lake.pipeline import PostgresPipeline
+
+SHOWN_TEXT_CHARS = 200
 
 
 @dataclass
@@ -42,86 +62,166 @@ class ChunkCheck:
     reason: str | None = None
 
 
-def _row_hash(columns: list[str]) -> Column:
-    parts = [F.col(q(c)) for c in columns]
-    parts.append(F.array_sort(F.map_entries(F.col(UNREPRESENTABLE_COLUMN))))
-    return F.xxhash64(*parts).cast("decimal(38,0)")
+def _source_summary(reader: psycopg.Connection, table: CapturedTable, chunk: Chunk) -> tuple[int, int]:
+    query = sql.SQL("select count(*), coalesce(sum({}), 0) from {} where {}").format(
+        source_row_digest(table.columns), table.identifier, snapshot.range_predicate(table, chunk.lo, chunk.hi)
+    )
+    count, total = reader.execute(query).fetchone()
+    return int(count), int(total)
 
 
-def _summary(frame: DataFrame) -> tuple[int, str]:
-    row = frame.agg(F.count(F.lit(1)).alias("n"), F.sum("_hash").alias("h")).first()
-    return int(row["n"]), str(row["h"] or 0)
+def _source_summary_of_keys(
+    reader: psycopg.Connection, table: CapturedTable, chunk: Chunk, key_texts: list[str]
+) -> tuple[int, int]:
+    """Count and digest sum of the chunk's source rows whose key text is one of ``key_texts`` (a hash join with
+    the array, not a temporary table: the check writes nothing)."""
+    query = sql.SQL(
+        "select count(*), coalesce(sum(r.digest), 0) from (select {} as key_text, {} as digest from {} where {}) r "
+        "join unnest({}::text[]) as k(key_text) using (key_text)"
+    ).format(
+        source_key_text(table.columns, table.key_columns), source_row_digest(table.columns), table.identifier,
+        snapshot.range_predicate(table, chunk.lo, chunk.hi), sql.Literal(key_texts),
+    )  # fmt: skip
+    count, total = reader.execute(query).fetchone()
+    return int(count), int(total)
+
+
+def _summary(frame: DataFrame) -> tuple[int, int]:
+    row = frame.agg(F.count(F.lit(1)).alias("n"), F.sum(F.col("_digest").cast("decimal(38,0)")).alias("h")).first()
+    return int(row["n"]), int(row["h"] or 0)
 
 
 def check_chunk(
-    pipeline, spark: SparkSession, table: CapturedTable, index: int, wait_seconds: float = 120
+    pipeline: PostgresPipeline, spark: SparkSession, table: CapturedTable, index: int, wait_seconds: float = 120
 ) -> ChunkCheck:
-    plan = pipeline.plan(table)
-    chunk = plan.chunks[index]
-    names = [c.name for c in table.columns]
-    keys = list(table.key_columns)
-    key_types = {f.name: f.dataType for f in spark_schema(list(table.columns)).fields if f.name in keys}
+    chunk = pipeline.plan(table).chunks[index]
     paths = pipeline.lake.table(table.qualified_name)
-    with pipeline.connect() as conn:
+    with pipeline.connect() as conn, pipeline.connect() as reader:
         lw_lsn = snapshot.take_insert_lsn(conn)
         low_watermark = snapshot.take_low_watermark(conn)
-        source = pipeline.read_chunks(spark, conn, table, [chunk], f"check-{uuid.uuid4().hex[:8]}")
-        source = source.select(*[q(n) for n in names], UNREPRESENTABLE_COLUMN).cache()
-        source.count()  # the reads happen now, inside the window
-        high_watermark = snapshot.take_high_watermark(conn)
-        deadline = time.monotonic() + wait_seconds
-        while stream.slot_position(conn, pipeline.source.slot)[0] < high_watermark:
-            if time.monotonic() > deadline:
-                source.unpersist()
-                return ChunkCheck(table.qualified_name, index, conclusive=False, matches=False,
-                                  reason="the stream has not applied the check's high watermark yet")  # fmt: skip
-            time.sleep(1)
+        reader.execute("start transaction isolation level repeatable read, read only")
+        try:
+            source_rows, source_sum = _source_summary(reader, table, chunk)  # the transaction's snapshot
+            high_watermark = snapshot.take_high_watermark(conn)
+            deadline = time.monotonic() + wait_seconds
+            while stream.slot_position(conn, pipeline.source.slot)[0] < high_watermark:
+                if time.monotonic() > deadline:
+                    return ChunkCheck(table.qualified_name, index, conclusive=False, matches=False,
+                                      reason="the stream has not applied the check's high watermark yet")  # fmt: skip
+                time.sleep(1)
+            window = _Window(lw_lsn, low_watermark, source_rows, source_sum)
+            return _compare(spark, reader, table, chunk, index, paths, window)
+        finally:
+            if not reader.broken:
+                reader.execute("rollback")
+
+
+@dataclass(frozen=True)
+class _Window:
+    """What the check took at the source: the low watermark and the chunk's count and checksum."""
+
+    lw_lsn: int
+    low_watermark: LowWatermark
+    source_rows: int
+    source_sum: int
+
+
+def _compare(
+    spark: SparkSession, reader: psycopg.Connection, table: CapturedTable, chunk: Chunk, index: int,
+    paths: TablePaths, window: _Window,
+) -> ChunkCheck:  # fmt: skip
+    columns = list(table.columns)
+    names = [c.name for c in columns]
+    keys = list(table.key_columns)
+    key_types = {f.name: f.dataType for f in spark_schema(columns).fields if f.name in keys}
+    lw_lsn, source_rows, source_sum = window.lw_lsn, window.source_rows, window.source_sum
+    if not DeltaTable.isDeltaTable(spark, paths.mirror):
+        return ChunkCheck(table.qualified_name, index, conclusive=True, matches=False, reason="no mirror yet")
+    # pin the mirror first: the changelog read afterwards holds every change the pinned mirror holds
+    version = DeltaTable.forPath(spark, paths.mirror).history(1).first()["version"]
+    mirror = spark.read.format("delta").option("versionAsOf", version).load(paths.mirror)
+    mirror = mirror.where(_range_condition(chunk, keys, key_types))
+    mirror = mirror.select(*[q(n) for n in names], UNREPRESENTABLE_COLUMN)
+    touched = spark.createDataFrame([], ", ".join(f"{q(k)} {key_types[k].simpleString()}" for k in keys))
+    if DeltaTable.isDeltaTable(spark, paths.changelog):
+        lw = window.low_watermark
+        log = spark.read.format("delta").load(paths.changelog).where(F.col("_cdc_position") > lw_lsn)
+        log = log.where(_unsettled(F.lit(lw.xmin), F.lit(lw.xmax), F.array(*[F.lit(x) for x in sorted(lw.xip)])
+                                   .cast("array<long>")))  # fmt: skip
+        if log.where(F.col("_cdc_op") == "t").limit(1).count():
+            return ChunkCheck(table.qualified_name, index, conclusive=False, matches=False,
+                              reason="a TRUNCATE ran during the check")  # fmt: skip
+        exploded = log.select(F.explode(F.array(_key_struct("after", keys), _key_struct("before", keys))).alias("k"))
+        touched = exploded.where(F.col("k").isNotNull()).select(*[F.col(f"k.{q(k)}").alias(k) for k in keys])
+        touched = touched.where(" and ".join(f"{q(k)} is not null" for k in keys)).distinct()
+    touched = touched.where(_range_condition(chunk, keys, key_types)).cache()
     try:
-        if not DeltaTable.isDeltaTable(spark, paths.mirror):
-            return ChunkCheck(table.qualified_name, index, conclusive=True, matches=False, reason="no mirror yet")
-        # pin the mirror first: the changelog read afterwards holds every change the pinned mirror holds
-        version = DeltaTable.forPath(spark, paths.mirror).history(1).first()["version"]
-        mirror = spark.read.format("delta").option("versionAsOf", version).load(paths.mirror)
-        mirror = mirror.where(_range_condition(chunk, keys, key_types))
-        mirror = mirror.select(*[q(n) for n in names], UNREPRESENTABLE_COLUMN)
-        touched = spark.createDataFrame([], ", ".join(f"{q(k)} {key_types[k].simpleString()}" for k in keys))
-        if DeltaTable.isDeltaTable(spark, paths.changelog):
-            lw = low_watermark
-            log = spark.read.format("delta").load(paths.changelog).where(F.col("_cdc_position") > lw_lsn)
-            log = log.where(_unsettled(F.lit(lw.xmin), F.lit(lw.xmax), F.array(*[F.lit(x) for x in sorted(lw.xip)])
-                                       .cast("array<long>")))  # fmt: skip
-            if log.where(F.col("_cdc_op") == "t").limit(1).count():
-                return ChunkCheck(table.qualified_name, index, conclusive=False, matches=False,
-                                  reason="a TRUNCATE ran during the check")  # fmt: skip
-            exploded = log.select(
-                F.explode(F.array(_key_struct("after", keys), _key_struct("before", keys))).alias("k")
-            )
-            touched = exploded.where(F.col("k").isNotNull()).select(*[F.col(f"k.{q(k)}").alias(k) for k in keys])
-            touched = touched.where(" and ".join(f"{q(k)} is not null" for k in keys)).distinct()
-        touched = touched.cache()
-        excluded = touched.count()
-        left = source.join(touched, keys, "left_anti").withColumn("_hash", _row_hash(names))
-        right = mirror.join(touched, keys, "left_anti").withColumn("_hash", _row_hash(names))
-        source_rows, source_sum = _summary(left)
-        mirror_rows, mirror_sum = _summary(right)
+        key_columns = [c for c in columns if c.name in keys]
+        touched_texts = [r[0] for r in touched.select(mirror_key_text(key_columns, keys, False)).collect()]
+        if touched_texts:
+            left_out_rows, left_out_sum = _source_summary_of_keys(reader, table, chunk, touched_texts)
+            source_rows, source_sum = source_rows - left_out_rows, source_sum - left_out_sum
+        kept = mirror.join(touched, keys, "left_anti")
+        kept = kept.withColumn("_digest", mirror_row_digest(columns)).withColumn(
+            "_key_text", mirror_key_text(columns, keys)
+        )
+        mirror_rows, mirror_sum = _summary(kept)
         matches = source_rows == mirror_rows and source_sum == mirror_sum
-        difference = None if matches else _first_difference(left, right, keys)
-        touched.unpersist()
+        difference = None if matches else _first_difference(spark, reader, table, chunk, kept, set(touched_texts))
         return ChunkCheck(
             table.qualified_name, index, conclusive=True, matches=matches, source_rows=source_rows,
-            mirror_rows=mirror_rows, source_checksum=source_sum, mirror_checksum=mirror_sum, excluded_keys=excluded,
-            first_difference=difference,
+            mirror_rows=mirror_rows, source_checksum=str(source_sum), mirror_checksum=str(mirror_sum),
+            excluded_keys=len(touched_texts), first_difference=difference,
         )  # fmt: skip
     finally:
-        source.unpersist()
+        touched.unpersist()
 
 
-def _first_difference(source: DataFrame, mirror: DataFrame, keys: list[str]) -> str | None:
-    s = source.select(*keys, F.col("_hash").alias("_s_hash"), F.to_json(F.struct(*source.columns[:-1])).alias("_s"))
-    m = mirror.select(*keys, F.col("_hash").alias("_m_hash"), F.to_json(F.struct(*mirror.columns[:-1])).alias("_m"))
-    joined = s.join(m, keys, "full_outer").where(~F.col("_s_hash").eqNullSafe(F.col("_m_hash")))
-    row = joined.orderBy(*keys).first()
+def _first_difference(
+    spark: SparkSession, reader: psycopg.Connection, table: CapturedTable, chunk: Chunk, kept: DataFrame,
+    excluded: set[str],
+) -> str | None:  # fmt: skip
+    """The first key (in key-text order) whose source and mirror digests differ, with both rows' column texts.
+    Runs inside the check's transaction: the source side is the snapshot the checksum was computed on."""
+    columns = list(table.columns)
+    key_text = source_key_text(columns, table.key_columns)
+    predicate = snapshot.range_predicate(table, chunk.lo, chunk.hi)
+    query = sql.SQL("select {}, {} from {} where {}").format(
+        key_text, source_row_digest(columns), table.identifier, predicate
+    )
+    pairs = [(k, int(d)) for k, d in reader.execute(query).fetchall() if k not in excluded]
+    source = spark.createDataFrame(pairs, "_key_text string, _s_digest long")
+    mirror = kept.select("_key_text", F.col("_digest").alias("_m_digest"))
+    joined = source.join(mirror, "_key_text", "full_outer").where(~F.col("_s_digest").eqNullSafe(F.col("_m_digest")))
+    row = joined.orderBy("_key_text").first()
     if row is None:
         return None
-    key = ", ".join(f"{k}={row[k]!r}" for k in keys)
-    return f"key ({key}): source={row['_s'] or 'absent'} mirror={row['_m'] or 'absent'}"
+    names = [c.name for c in columns]
+    texts_query = sql.SQL("select {} from {} where {} and {} = {}").format(
+        sql.SQL(", ").join(source_column_texts(columns)), table.identifier, predicate, key_text,
+        sql.Literal(row["_key_text"]),
+    )  # fmt: skip
+    found = reader.execute(texts_query).fetchone()
+    source_texts = None if found is None else dict(zip(names, found, strict=True))
+    texts = mirror_column_texts(columns)
+    mirrored = (
+        kept.where(F.col("_key_text") == row["_key_text"])
+        .select(*[t.alias(n) for t, n in zip(texts, names, strict=True)])
+        .first()
+    )
+    mirror_texts = None if mirrored is None else mirrored.asDict()
+    either = source_texts or mirror_texts or {}
+    key = ", ".join(f"{k}={either.get(k)}" for k in table.key_columns)
+    differing = [n for n in names if (source_texts or {}).get(n) != (mirror_texts or {}).get(n)]
+    return f"key ({key}): source={_shown(source_texts)} mirror={_shown(mirror_texts)}" + (
+        f" differing columns: {', '.join(differing)}" if source_texts and mirror_texts else ""
+    )
+
+
+def _shown(texts: dict[str, str | None] | None) -> str:
+    if texts is None:
+        return "absent"
+    cut = SHOWN_TEXT_CHARS
+    return json.dumps(
+        {n: t if t is None or len(t) <= cut else t[:cut] + "..." for n, t in texts.items()}, ensure_ascii=False
+    )
