@@ -1,6 +1,7 @@
 """Per-chunk consistency check: does the mirror hold exactly the source's rows of one chunk?
 
-Contract: ``check_chunk(pipeline, spark, table, index)`` runs a watermark window like a snapshot: low watermark; in
+Contract: ``check_chunk(pipeline, spark, table, index)`` (``check_chunks`` for several chunks of a table in one
+window) runs a watermark window like a snapshot: low watermark; in
 one ``REPEATABLE READ, READ ONLY`` transaction PostgreSQL computes the chunk's row count and checksum (the sum of
 ``row_digest.source_row_digest`` over the key range); high watermark. It then waits until the stream has applied
 everything up to the high watermark (the slot's ``confirmed_flush_lsn`` passed it, or ``wait_seconds`` expire: then
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -24,6 +26,7 @@ from delta.tables import DeltaTable
 from psycopg import sql
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
+from pyspark.sql.types import DataType
 
 from cdc_assets.engine.chunks import Chunk
 from cdc_assets.engine.pg_values import UNREPRESENTABLE_COLUMN, spark_schema
@@ -94,87 +97,104 @@ def _summary(frame: DataFrame) -> tuple[int, int]:
 def check_chunk(
     pipeline: PostgresPipeline, spark: SparkSession, table: CapturedTable, index: int, wait_seconds: float = 120
 ) -> ChunkCheck:
-    chunk = pipeline.plan(table).chunks[index]
+    return check_chunks(pipeline, spark, table, [index], wait_seconds)[0]
+
+
+def check_chunks(
+    pipeline: PostgresPipeline, spark: SparkSession, table: CapturedTable, indexes: Sequence[int],
+    wait_seconds: float = 120,
+) -> list[ChunkCheck]:  # fmt: skip
+    """``check_chunk`` for several chunks of one table in one watermark window (one wait for the stream)."""
+    plan = pipeline.plan(table)
+    chunks = [plan.chunks[i] for i in indexes]
     paths = pipeline.lake.table(table.qualified_name)
     with pipeline.connect() as conn, pipeline.connect() as reader:
         lw_lsn = snapshot.take_insert_lsn(conn)
         low_watermark = snapshot.take_low_watermark(conn)
         reader.execute("start transaction isolation level repeatable read, read only")
         try:
-            source_rows, source_sum = _source_summary(reader, table, chunk)  # the transaction's snapshot
+            sources = [_source_summary(reader, table, chunk) for chunk in chunks]  # the transaction's snapshot
             high_watermark = snapshot.take_high_watermark(conn)
             deadline = time.monotonic() + wait_seconds
             while stream.slot_position(conn, pipeline.source.slot)[0] < high_watermark:
                 if time.monotonic() > deadline:
-                    return ChunkCheck(table.qualified_name, index, conclusive=False, matches=False,
-                                      reason="the stream has not applied the check's high watermark yet")  # fmt: skip
+                    reason = "the stream has not applied the check's high watermark yet"
+                    return [_inconclusive(table, i, reason) for i in indexes]
                 time.sleep(1)
-            window = _Window(lw_lsn, low_watermark, source_rows, source_sum)
-            return _compare(spark, reader, table, chunk, index, paths, window)
+            checked = list(zip(indexes, chunks, sources, strict=True))
+            return _compare(spark, reader, table, paths, lw_lsn, low_watermark, checked)
         finally:
             if not reader.broken:
                 reader.execute("rollback")
 
 
-@dataclass(frozen=True)
-class _Window:
-    """What the check took at the source: the low watermark and the chunk's count and checksum."""
+def _inconclusive(table: CapturedTable, index: int, reason: str) -> ChunkCheck:
+    return ChunkCheck(table.qualified_name, index, conclusive=False, matches=False, reason=reason)
 
-    lw_lsn: int
-    low_watermark: LowWatermark
-    source_rows: int
-    source_sum: int
+
+def _touched_keys(
+    spark: SparkSession, paths: TablePaths, lw_lsn: int, lw: LowWatermark, keys: list[str],
+    key_types: dict[str, DataType],
+) -> DataFrame | None:  # fmt: skip
+    """Keys that transactions not settled at the low watermark touched (changelog rows after ``lw_lsn``), or
+    ``None`` when one of them was a TRUNCATE."""
+    touched = spark.createDataFrame([], ", ".join(f"{q(k)} {key_types[k].simpleString()}" for k in keys))
+    if not DeltaTable.isDeltaTable(spark, paths.changelog):
+        return touched
+    log = spark.read.format("delta").load(paths.changelog).where(F.col("_cdc_position") > lw_lsn)
+    log = log.where(_unsettled(F.lit(lw.xmin), F.lit(lw.xmax), F.array(*[F.lit(x) for x in sorted(lw.xip)])
+                               .cast("array<long>")))  # fmt: skip
+    if log.where(F.col("_cdc_op") == "t").limit(1).count():
+        return None
+    exploded = log.select(F.explode(F.array(_key_struct("after", keys), _key_struct("before", keys))).alias("k"))
+    touched = exploded.where(F.col("k").isNotNull()).select(*[F.col(f"k.{q(k)}").alias(k) for k in keys])
+    return touched.where(" and ".join(f"{q(k)} is not null" for k in keys)).distinct()
 
 
 def _compare(
-    spark: SparkSession, reader: psycopg.Connection, table: CapturedTable, chunk: Chunk, index: int,
-    paths: TablePaths, window: _Window,
-) -> ChunkCheck:  # fmt: skip
+    spark: SparkSession, reader: psycopg.Connection, table: CapturedTable, paths: TablePaths, lw_lsn: int,
+    low_watermark: LowWatermark, chunks: list[tuple[int, Chunk, tuple[int, int]]],
+) -> list[ChunkCheck]:  # fmt: skip
     columns = list(table.columns)
     names = [c.name for c in columns]
     keys = list(table.key_columns)
     key_types = {f.name: f.dataType for f in spark_schema(columns).fields if f.name in keys}
-    lw_lsn, source_rows, source_sum = window.lw_lsn, window.source_rows, window.source_sum
     if not DeltaTable.isDeltaTable(spark, paths.mirror):
-        return ChunkCheck(table.qualified_name, index, conclusive=True, matches=False, reason="no mirror yet")
+        return [ChunkCheck(table.qualified_name, i, conclusive=True, matches=False, reason="no mirror yet")
+                for i, _, _ in chunks]  # fmt: skip
     # pin the mirror first: the changelog read afterwards holds every change the pinned mirror holds
     version = DeltaTable.forPath(spark, paths.mirror).history(1).first()["version"]
-    mirror = spark.read.format("delta").option("versionAsOf", version).load(paths.mirror)
-    mirror = mirror.where(_range_condition(chunk, keys, key_types))
-    mirror = mirror.select(*[q(n) for n in names], UNREPRESENTABLE_COLUMN)
-    touched = spark.createDataFrame([], ", ".join(f"{q(k)} {key_types[k].simpleString()}" for k in keys))
-    if DeltaTable.isDeltaTable(spark, paths.changelog):
-        lw = window.low_watermark
-        log = spark.read.format("delta").load(paths.changelog).where(F.col("_cdc_position") > lw_lsn)
-        log = log.where(_unsettled(F.lit(lw.xmin), F.lit(lw.xmax), F.array(*[F.lit(x) for x in sorted(lw.xip)])
-                                   .cast("array<long>")))  # fmt: skip
-        if log.where(F.col("_cdc_op") == "t").limit(1).count():
-            return ChunkCheck(table.qualified_name, index, conclusive=False, matches=False,
-                              reason="a TRUNCATE ran during the check")  # fmt: skip
-        exploded = log.select(F.explode(F.array(_key_struct("after", keys), _key_struct("before", keys))).alias("k"))
-        touched = exploded.where(F.col("k").isNotNull()).select(*[F.col(f"k.{q(k)}").alias(k) for k in keys])
-        touched = touched.where(" and ".join(f"{q(k)} is not null" for k in keys)).distinct()
-    touched = touched.where(_range_condition(chunk, keys, key_types)).cache()
+    whole_mirror = spark.read.format("delta").option("versionAsOf", version).load(paths.mirror)
+    whole_mirror = whole_mirror.select(*[q(n) for n in names], UNREPRESENTABLE_COLUMN)
+    all_touched = _touched_keys(spark, paths, lw_lsn, low_watermark, keys, key_types)
+    if all_touched is None:
+        return [_inconclusive(table, i, "a TRUNCATE ran during the check") for i, _, _ in chunks]
+    all_touched = all_touched.cache()
+    key_columns = [c for c in columns if c.name in keys]
+    results = []
     try:
-        key_columns = [c for c in columns if c.name in keys]
-        touched_texts = [r[0] for r in touched.select(mirror_key_text(key_columns, keys, False)).collect()]
-        if touched_texts:
-            left_out_rows, left_out_sum = _source_summary_of_keys(reader, table, chunk, touched_texts)
-            source_rows, source_sum = source_rows - left_out_rows, source_sum - left_out_sum
-        kept = mirror.join(touched, keys, "left_anti")
-        kept = kept.withColumn("_digest", mirror_row_digest(columns)).withColumn(
-            "_key_text", mirror_key_text(columns, keys)
-        )
-        mirror_rows, mirror_sum = _summary(kept)
-        matches = source_rows == mirror_rows and source_sum == mirror_sum
-        difference = None if matches else _first_difference(spark, reader, table, chunk, kept, set(touched_texts))
-        return ChunkCheck(
-            table.qualified_name, index, conclusive=True, matches=matches, source_rows=source_rows,
-            mirror_rows=mirror_rows, source_checksum=str(source_sum), mirror_checksum=str(mirror_sum),
-            excluded_keys=len(touched_texts), first_difference=difference,
-        )  # fmt: skip
+        for index, chunk, (source_rows, source_sum) in chunks:
+            in_range = _range_condition(chunk, keys, key_types)
+            touched = all_touched.where(in_range)
+            touched_texts = [r[0] for r in touched.select(mirror_key_text(key_columns, keys, False)).collect()]
+            if touched_texts:
+                left_out_rows, left_out_sum = _source_summary_of_keys(reader, table, chunk, touched_texts)
+                source_rows, source_sum = source_rows - left_out_rows, source_sum - left_out_sum
+            kept = whole_mirror.where(in_range).join(touched, keys, "left_anti")
+            kept = kept.withColumn("_digest", mirror_row_digest(columns)).withColumn(
+                "_key_text", mirror_key_text(columns, keys)
+            )
+            mirror_rows, mirror_sum = _summary(kept)
+            matches = source_rows == mirror_rows and source_sum == mirror_sum
+            difference = None if matches else _first_difference(spark, reader, table, chunk, kept, set(touched_texts))
+            results.append(ChunkCheck(
+                table.qualified_name, index, conclusive=True, matches=matches, source_rows=source_rows,
+                mirror_rows=mirror_rows, source_checksum=str(source_sum), mirror_checksum=str(mirror_sum),
+                excluded_keys=len(touched_texts), first_difference=difference,
+            ))  # fmt: skip
     finally:
-        touched.unpersist()
+        all_touched.unpersist()
+    return results
 
 
 def _first_difference(

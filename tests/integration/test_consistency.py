@@ -12,7 +12,7 @@ import pytest
 from delta.tables import DeltaTable
 from pyspark.sql import functions as F
 
-from cdc_assets.lake.consistency import check_chunk
+from cdc_assets.lake.consistency import check_chunks
 from cdc_assets.lake.pipeline import PostgresPipeline
 from tests.integration.support import SEED_SQL, create_source, drop_source, pipeline_config
 from tests.integration.test_pipeline_guarantees import Writer, catch_up, stream_once
@@ -45,15 +45,19 @@ class Streamer(threading.Thread):
 
 
 def check_all(pipeline: PostgresPipeline, spark, table, chunks: int, recorded: int | None) -> tuple[dict, int | None]:
+    """Every chunk checked in one window (``check_chunks``) while the stream runs; inconclusive results (the stream
+    is behind the check's window) are retried, never an alarm."""
     streamer = Streamer(pipeline, spark, recorded)
     streamer.start()
     try:
-        results = {}
-        for index in range(chunks):
-            for _ in range(4):  # inconclusive (the stream is behind the check's window) is retried, never an alarm
-                results[index] = check_chunk(pipeline, spark, table, index, wait_seconds=120)
-                if results[index].conclusive:
-                    break
+        results: dict = {}
+        pending = list(range(chunks))
+        for _ in range(4):
+            for result in check_chunks(pipeline, spark, table, pending, wait_seconds=120):
+                results[result.chunk] = result
+            pending = [i for i in pending if not results[i].conclusive]
+            if not pending:
+                break
     finally:
         recorded = streamer.finish()
     return results, recorded
