@@ -170,13 +170,12 @@ def _compare(
     if all_touched is None:
         return [_inconclusive(table, i, "a TRUNCATE ran during the check") for i, _, _ in chunks]
     all_touched = all_touched.cache()
-    key_columns = [c for c in columns if c.name in keys]
     results = []
     try:
         for index, chunk, (source_rows, source_sum) in chunks:
             in_range = _range_condition(chunk, keys, key_types)
             touched = all_touched.where(in_range)
-            touched_texts = [r[0] for r in touched.select(mirror_key_text(key_columns, keys, False)).collect()]
+            touched_texts = [r[0] for r in touched.select(mirror_key_text(columns, keys, False)).collect()]
             if touched_texts:
                 left_out_rows, left_out_sum = _source_summary_of_keys(reader, table, chunk, touched_texts)
                 source_rows, source_sum = source_rows - left_out_rows, source_sum - left_out_sum

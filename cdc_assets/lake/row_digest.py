@@ -93,10 +93,14 @@ def source_column_texts(columns: Sequence[PgColumn]) -> list[sql.Composable]:
     return [_source_text(c, schema[c.name].dataType) for c in columns]
 
 
+def _in_key_order(columns: Sequence[PgColumn], key_columns: Sequence[str]) -> list[PgColumn]:
+    """The key's columns in the key's order: both engines spell a key from the same sequence."""
+    by_name = {c.name: c for c in columns}
+    return [by_name[name] for name in key_columns]
+
+
 def source_key_text(columns: Sequence[PgColumn], key_columns: Sequence[str]) -> sql.Composable:
-    keyed = [c for c in columns if c.name in key_columns]
-    keyed.sort(key=lambda c: list(key_columns).index(c.name))
-    return sql.SQL(" || ").join(_source_part(t) for t in source_column_texts(keyed))
+    return sql.SQL(" || ").join(_source_part(t) for t in source_column_texts(_in_key_order(columns, key_columns)))
 
 
 def source_row_digest(columns: Sequence[PgColumn]) -> sql.Composable:
@@ -179,8 +183,8 @@ def mirror_column_texts(columns: Sequence[PgColumn], with_unrepresentable: bool 
 def mirror_key_text(
     columns: Sequence[PgColumn], key_columns: Sequence[str], with_unrepresentable: bool = True
 ) -> Column:
-    keyed = sorted((c for c in columns if c.name in key_columns), key=lambda c: list(key_columns).index(c.name))
-    return F.concat(*[_mirror_part(t) for t in mirror_column_texts(keyed, with_unrepresentable)])
+    texts = mirror_column_texts(_in_key_order(columns, key_columns), with_unrepresentable)
+    return F.concat(*[_mirror_part(t) for t in texts])
 
 
 def mirror_row_digest(columns: Sequence[PgColumn]) -> Column:

@@ -291,11 +291,17 @@ def all_types(pg: psycopg.Connection) -> list[PgColumn]:
     pg.execute(sql.SQL("create table all_types ({})").format(sql.SQL(COLUMNS_SQL)))
     pg.execute("alter table all_types add column gone integer")
     pg.execute("alter table all_types drop column gone")
-    for row in ROWS:
+    insert_rows(pg, "all_types", ROWS)
+    return columns_from_catalog(pg, "public", "all_types")
+
+
+def insert_rows(conn: psycopg.Connection, table: str, rows: list[dict[str, str]]) -> None:
+    """Insert rows given as input text per column (the server parses each with the column's input function)."""
+    for row in rows:
         names = sql.SQL(", ").join(sql.Identifier(name) for name in row)
         values = sql.SQL(", ").join(sql.Placeholder() for _ in row)
-        pg.execute(sql.SQL("insert into all_types ({}) values ({})").format(names, values), list(row.values()))
-    return columns_from_catalog(pg, "public", "all_types")
+        conn.execute(sql.SQL("insert into {} ({}) values ({})").format(sql.Identifier(table), names, values),
+                     list(row.values()))  # fmt: skip
 
 
 def _normalized(value: Any) -> Any:

@@ -24,7 +24,7 @@ from cdc_assets.lake.row_digest import (
 )
 from tests.integration.support import create_source, drop_source, pipeline_config
 from tests.integration.test_consistency import Streamer, check_all
-from tests.integration.test_pg_values_copy import COLUMNS_SQL, ROWS
+from tests.integration.test_pg_values_copy import COLUMNS_SQL, ROWS, insert_rows
 from tests.integration.test_pipeline_guarantees import catch_up
 
 DATABASE = "digest_types"
@@ -38,10 +38,7 @@ ROW_WITH_EVERYTHING = 21
 
 
 def _fill(admin: psycopg.Connection) -> None:
-    for row in ROWS:
-        names = sql.SQL(", ").join(sql.Identifier(name) for name in row)
-        values = sql.SQL(", ").join(sql.Placeholder() for _ in row)
-        admin.execute(sql.SQL("insert into every_type ({}) values ({})").format(names, values), list(row.values()))
+    insert_rows(admin, "every_type", ROWS)
     admin.execute(
         """
         insert into every_type
