@@ -4,7 +4,7 @@
 
 Processes, as Dagster would run them (each run its own Spark driver):
 
-- a **stream worker**: ``stream_batch`` + ``advance_slot`` back to back for source ``bench_lag`` (tables
+- a **stream worker**: ``stream_batch`` + ``acknowledge`` back to back for source ``bench_lag`` (tables
   ``bench_snap_<rows>``, the snapshot benchmark's table, reused, and ``bench_hot``);
 - a **workload** thread here: ``--rate`` changes/s (transactions of 10: inserts, updates, deletes) into
   ``bench_hot`` (``--hot-rows`` rows), from the start to the end;
@@ -105,7 +105,7 @@ def worker_stream(args: argparse.Namespace) -> None:
     while True:
         report = pipeline.stream_batch(spark, recorded, run_id)
         recorded = parse_lsn(str(report.offset["lsn"]))
-        pipeline.advance_slot(recorded)
+        pipeline.acknowledge(recorded)
         _event(events, {"kind": "batch", "changes": report.changes, "seconds": report.seconds,
                         "lag_bytes": report.lag_bytes, "lag_seconds": report.lag_seconds, "applied": recorded,
                         "reconciled": len(report.reconciled), "waiting": report.waiting_windows,

@@ -160,7 +160,7 @@ def worker_ours(args: argparse.Namespace) -> dict[str, Any]:
     while True:
         report = pipeline.stream_batch(spark, recorded, run_id)
         recorded = parse_lsn(str(report.offset["lsn"]))
-        pipeline.advance_slot(recorded)
+        pipeline.acknowledge(recorded)
         batches.append({"changes": report.changes, "reconciled": len(report.reconciled),
                         "waiting": report.waiting_windows, "seconds": round(report.seconds, 2)})  # fmt: skip
         if report.waiting_windows == 0:

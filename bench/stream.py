@@ -14,7 +14,7 @@ run starts its own, see ``bench.freshness``):
    'publication_names', pub)`` on the same slot (peek does not consume), as the read-only role, ``--decode-repeats``
    times; changes/s = workload changes / seconds. Also ``peek+fetch``: the same peek's rows fetched by the client
    through a server-side cursor (5000 rows per fetch, as our batches read), not decoded.
-4. Ours: ``stream_batch`` + ``advance_slot`` back to back (the source's ``max_changes`` bound per batch) until the
+4. Ours: ``stream_batch`` + ``acknowledge`` back to back (the source's ``max_changes`` bound per batch) until the
    slot reaches the end of the workload's WAL; changes/s applied into the mirror, per batch and overall, with the
    batches' phase seconds (read = peek + fetch + pgoutput decode + spill; changelog; merge; reconcile), CPU seconds and
    peak RSS of driver, JVM and Python workers. Checked afterwards: the mirror's row count, sum(id) and sum(amount)
@@ -170,7 +170,7 @@ def run(args: argparse.Namespace, lake: Path) -> dict[str, Any]:
     while True:
         report = pipeline.stream_batch(spark, recorded, run_id)
         recorded = parse_lsn(str(report.offset["lsn"]))
-        pipeline.advance_slot(recorded)
+        pipeline.acknowledge(recorded)
         if report.waiting_windows == 0:
             break
     initial_seconds = time.monotonic() - started
@@ -201,7 +201,7 @@ def run(args: argparse.Namespace, lake: Path) -> dict[str, Any]:
     while recorded is None or recorded < end_lsn:
         report = pipeline.stream_batch(spark, recorded, run_id)
         recorded = parse_lsn(str(report.offset["lsn"]))
-        pipeline.advance_slot(recorded)
+        pipeline.acknowledge(recorded)
         applied += report.changes
         batches.append({"t": round(time.monotonic() - started, 2), "changes": report.changes,
                         "transactions": report.transactions, "seconds": report.seconds,
@@ -250,7 +250,7 @@ def report(result: dict[str, Any], args: argparse.Namespace) -> None:
         rows.append([f"{d['kind']} #{d['repeat']}", changes, d["messages"], d["seconds"], changes / d["seconds"],
                      d["pg_cpu"]])  # fmt: skip
     usage = ours["usage"]
-    rows.append(["ours: stream_batch + advance_slot", ours["changes"], None, ours["seconds"], ours_rate,
+    rows.append(["ours: stream_batch + acknowledge", ours["changes"], None, ours["seconds"], ours_rate,
                  usage.get("pg_backends", {}).get("cpu_seconds")])  # fmt: skip
     print()
     print_table(

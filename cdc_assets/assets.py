@@ -1,6 +1,7 @@
 """Dagster assets of one source: a chunk-partitioned asset per captured table, and the stream asset.
 
-Thin glue: the work is in ``cdc_assets.lake.pipeline``. A table asset's partition is one chunk of its stored plan;
+Thin glue: the work is done by the source's ``CdcSource`` (``cdc_assets.source``; PostgreSQL:
+``cdc_assets.lake.pipeline``). A table asset's partition is one chunk of its stored plan;
 materializing partitions snapshots those chunks in one watermark window and stages them; each of the stream
 asset's materializations is one micro-batch, and its metadata holds the offset (DDD-4 field names). A stream run
 keeps its Spark session across batches for ``stream.run_seconds``, so a batch does not pay a driver start.
@@ -34,7 +35,7 @@ from cdc_assets.config import SourceConfig
 from cdc_assets.engine.chunks import chunk_index, chunk_partition_key
 from cdc_assets.engine.faults import fault_point
 from cdc_assets.engine.lsn import format_lsn, parse_lsn
-from cdc_assets.lake.pipeline import PostgresPipeline, StreamReport
+from cdc_assets.source import CdcSource, StreamReport
 
 CHUNKS_PER_RUN = 4
 # a retried step re-reads (snapshot: new attempt, new window) or re-applies idempotently (stream)
@@ -89,7 +90,7 @@ def build_table_asset(source: SourceConfig, qualified_name: str) -> AssetsDefini
                 "rows": report.rows,
                 "seconds": round(report.seconds, 3),
                 "rows_per_second": round(report.rows / report.seconds, 1) if report.seconds else 0.0,
-                "low_watermark": f"{report.xmin}:{report.xmax}",
+                "low_watermark": report.low_watermark,
                 "high_watermark": MetadataValue.text(format_lsn(report.hw)),
                 "attempt": report.attempt,
                 "mirror": MetadataValue.path(paths.mirror),
@@ -115,12 +116,10 @@ def build_consistency_check(source: SourceConfig, qualified_name: str) -> AssetC
         ),
     )
     def chunk_matches_source(context: AssetCheckExecutionContext) -> AssetCheckResult:
-        from cdc_assets.lake.consistency import check_chunk
-
         cdc = context.resources.cdc
         pipeline = cdc.pipeline(source.name)
         table = pipeline.tables[qualified_name]
-        result = check_chunk(pipeline, cdc.spark(), table, chunk_index(context.partition_key))
+        (result,) = pipeline.check_chunks(cdc.spark(), table, [chunk_index(context.partition_key)])
         metadata = {
             "chunk": context.partition_key,
             "source_rows": result.source_rows,
@@ -187,7 +186,7 @@ def build_stream_asset(source: SourceConfig, table_names: list[str]) -> AssetsDe
             # the offset is recorded: the slot may now follow it (never before)
             fault_point("stream.after_offset_record")
             recorded = parse_lsn(report.offset["lsn"])
-            pipeline.advance_slot(recorded)
+            pipeline.acknowledge(recorded)
             if not _next_batch_due(context, pipeline, source, deadline):
                 return
 
@@ -212,9 +211,7 @@ def batch_metadata(report: StreamReport) -> dict[str, object]:
     }
 
 
-def _next_batch_due(
-    context: AssetExecutionContext, pipeline: PostgresPipeline, source: SourceConfig, deadline: float
-) -> bool:
+def _next_batch_due(context: AssetExecutionContext, pipeline: CdcSource, source: SourceConfig, deadline: float) -> bool:
     """Wait (polling every ``poll_seconds``) until a batch is due; False when the run should end instead."""
     while time.monotonic() < deadline:
         if _another_run_needs_the_pool(context, source.name):

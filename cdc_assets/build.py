@@ -21,9 +21,9 @@ from cdc_assets.assets import (
     stream_job_name,
 )
 from cdc_assets.config import CdcConfig, SourceConfig, load_config
-from cdc_assets.lake.pipeline import PostgresPipeline
 from cdc_assets.offsets import build_change_offset_job
 from cdc_assets.postgres.connection import SourceError
+from cdc_assets.source import open_source
 from resources.cdc import CdcResource
 from sensors.planner import build_planner_sensor
 from sensors.stream import build_stream_sensor
@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 
 def captured_table_names(config: CdcConfig, source: SourceConfig) -> list[str]:
     try:
-        return sorted(PostgresPipeline(config, source).prepare())
+        return sorted(open_source(config, source).prepare())
     except SourceError as error:
         log.warning("%s; using the explicitly configured tables only", error)
         return [t.qualified_name for t in source.tables]

@@ -1,4 +1,4 @@
-"""``CdcResource``: the project's configuration file, the lake, Spark, and one pipeline per source."""
+"""``CdcResource``: the project's configuration file, the lake, Spark, and one ``CdcSource`` per source."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from dagster import ConfigurableResource
 from pyspark.sql import SparkSession
 
 from cdc_assets.config import CdcConfig, load_config
-from cdc_assets.lake.pipeline import PostgresPipeline
 from cdc_assets.lake.spark import spark_session
+from cdc_assets.source import CdcSource, open_source
 
 
 class CdcResource(ConfigurableResource):
@@ -21,8 +21,9 @@ class CdcResource(ConfigurableResource):
     def config(self) -> CdcConfig:
         return load_config(self.config_path)
 
-    def pipeline(self, source_name: str) -> PostgresPipeline:
-        return PostgresPipeline(self.config, self.config.source(source_name))
+    def pipeline(self, source_name: str) -> CdcSource:
+        """The source's operations (a new object per call: a run resolves the captured tables once)."""
+        return open_source(self.config, self.config.source(source_name))
 
     def spark(self) -> SparkSession:
         return spark_session(self.config.spark)

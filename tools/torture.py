@@ -26,8 +26,8 @@ deterministic, so a seed fixes the workload's recipe, not its exact interleaving
    seeds like a long-lived Spark session; a killed one is replaced by a new process): ``--snapshot-workers``
    processes snapshot all chunks in parallel (groups of 1-3 chunks per run, then random re-snapshots while the
    workload lasts) while one stream process runs batches back to back: ``stream_batch``, the harness records the
-   offset, then the worker advances the slot (as the Dagster stream asset does). Every run builds a fresh
-   ``PostgresPipeline`` and ``prepare()``, as a Dagster run would.
+   offset, then the worker acknowledges it (the slot moves, as the Dagster stream asset does). Every run builds a
+   fresh ``CdcSource`` (``open_source``) and calls ``prepare()``, as a Dagster run would.
 4. **Faults** (unless ``--no-faults``): workers run with ``CDC_FAULTS`` / ``CDC_FAULT_PROBABILITY`` /
    ``CDC_FAULT_SEED`` (snapshot: ``snapshot.before_window_record``; stream: ``stream.after_changelog``,
    ``stream.after_lake_commit``, ``stream.after_offset_record``), so they are SIGKILLed at those points; a killed
@@ -45,6 +45,15 @@ deterministic, so a seed fixes the workload's recipe, not its exact interleaving
 
 The checks run in the stream worker (it has a Spark session); mirrors are read through Arrow. Progress lines go to
 ``<work-dir>/logs/harness.log`` (and stderr with ``--verbose``), worker output to ``<work-dir>/logs/<worker>.log``.
+
+**What is PostgreSQL here, and what a second source brings.** The runner (worker processes, fault points, executor
+losses, re-runs, offset recording, catch-up) talks to the pipeline only through ``cdc_assets.source.CdcSource``
+(``prepare``, ``plan``, ``snapshot``, ``stream_batch``, ``acknowledge``, ``pending_work``), so it drives any
+source that ``open_source`` returns. Specific to PostgreSQL are the parts that touch the database itself: the
+cluster (``Cluster``), the seeded schema and its value generators (``create_database``, ``TableSpec``), the
+workload sessions (``Ops``, ``Writer``, ``LongTransactions``), the source restart, and the oracle and row reading
+in ``verify``. A MongoDB source would supply those for its server (a replica set's oplog plays the oracle's part);
+it is not written yet.
 
 **Patches for bugs the harness found.** ``apply_patches`` replaces a production function by its proposed fix in the
 workers, only while the production source still contains the faulty construct (so a fixed pipeline runs
@@ -828,8 +837,8 @@ def worker_main(role: str, result_fd: int, broken: bool, patched: bool) -> int:
     import cdc_assets.lake.pipeline as pipeline_module
     from cdc_assets.engine import faults
     from cdc_assets.lake import mirror
-    from cdc_assets.lake.pipeline import PostgresPipeline
     from cdc_assets.lake.spark import BASE_CONF, spark_session
+    from cdc_assets.source import open_source
 
     channel = os.fdopen(result_fd, "w")
     original = faults.fault_point
@@ -857,7 +866,7 @@ def worker_main(role: str, result_fd: int, broken: bool, patched: bool) -> int:
         task = json.loads(line)
         try:
             config = build_config(task["source"])
-            pipeline = PostgresPipeline(config, config.sources[0])
+            pipeline = open_source(config, config.sources[0])
             tables = pipeline.prepare() if task["op"] != "verify" else {}
             if task["op"] == "snapshot":
                 report = pipeline.snapshot(spark, tables[task["table"]], task["chunks"], task["run"])
@@ -872,7 +881,7 @@ def worker_main(role: str, result_fd: int, broken: bool, patched: bool) -> int:
                 if json.loads(sys.stdin.readline() or "{}").get("op") != "ack":
                     return 0
                 traced("stream.after_offset_record")  # offset recorded by the harness; now the slot may follow
-                pipeline.advance_slot(lsn)
+                pipeline.acknowledge(lsn)
                 _emit(channel, {"ok": True, "advanced": lsn})
             else:
                 raise ValueError(f"unknown task {task['op']!r}")
@@ -1306,10 +1315,10 @@ class SeedRun:
         rows = base_rows(self.options.scale)
         shutil.rmtree(self.lake, ignore_errors=True)
         self.oracle_start = create_database(self.cluster, self.database, r, rows)
-        from cdc_assets.lake.pipeline import PostgresPipeline
+        from cdc_assets.source import open_source
 
         config = build_config(self.spec)
-        pipeline = PostgresPipeline(config, config.sources[0])
+        pipeline = open_source(config, config.sources[0])
         plans = {name: len(pipeline.plan(table).chunks) for name, table in pipeline.prepare().items()}
         tasks: queue.Queue[tuple[str, list[int], bool]] = queue.Queue()
         groups: list[tuple[str, list[int], bool]] = []

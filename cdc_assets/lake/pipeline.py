@@ -1,4 +1,4 @@
-"""The operations of one PostgreSQL source: prepare, plan, snapshot chunks, stream a batch, advance the slot.
+"""``PostgresPipeline``: the ``CdcSource`` (``cdc_assets.source``) of a PostgreSQL database.
 
 Contract (Dagster calls these from assets and sensors; tests call them directly):
 - ``prepare()`` checks the role (``REPLICATION``), resolves the captured tables, makes sure the publication covers
@@ -12,10 +12,11 @@ Contract (Dagster calls these from assets and sensors; tests call them directly)
 - ``stream_batch(spark, recorded_lsn, run_id)`` reads one bounded batch from the slot (after first moving the slot
   up to an offset that was recorded but not yet applied to the slot), appends changelogs, applies mirrors, and
   reconciles every staged chunk whose high watermark the batch has passed. It never moves the slot: the caller
-  records the returned offset first, then calls ``advance_slot``. A batch re-run from the same slot position
-  writes nothing twice (``cdc_assets.lake.mirror``). The offset is also written into each Delta commit's
-  ``userMetadata``.
+  records the returned offset first, then calls ``acknowledge``, which moves the slot. A batch re-run from the
+  same slot position writes nothing twice (``cdc_assets.lake.mirror``). The offset is also written into each
+  Delta commit's ``userMetadata``.
 - ``pending_work()`` says whether a batch is due (the streaming sensor and a long-lived stream run poll it).
+- ``check_chunks`` is ``cdc_assets.lake.consistency.check_chunks`` (PostgreSQL computes the source side).
 """
 
 from __future__ import annotations
@@ -24,10 +25,10 @@ import json
 import shutil
 import time
 import uuid
-from collections.abc import Iterator
-from dataclasses import dataclass, field
+from collections.abc import Iterator, Sequence
 from datetime import UTC, datetime
 from functools import cached_property
+from typing import TYPE_CHECKING
 
 import psycopg
 import pyarrow as pa
@@ -48,33 +49,12 @@ from cdc_assets.lake.retry import commit_with_retry
 from cdc_assets.postgres import catalog, snapshot, stream
 from cdc_assets.postgres.catalog import CapturedTable
 from cdc_assets.postgres.connection import SourceError, connect
+from cdc_assets.source import SnapshotReport, StreamReport
+
+if TYPE_CHECKING:
+    from cdc_assets.lake.consistency import ChunkCheck
 
 USER_METADATA = "spark.databricks.delta.commitInfo.userMetadata"
-
-
-@dataclass
-class SnapshotReport:
-    attempt: str
-    rows: int
-    per_chunk: dict[int, int]
-    seconds: float
-    xmin: int
-    xmax: int
-    hw: int
-
-
-@dataclass
-class StreamReport:
-    offset: dict[str, object]
-    changes: int
-    transactions: int
-    seconds: float
-    lag_bytes: int
-    lag_seconds: float | None
-    reconciled: list[dict[str, object]] = field(default_factory=list)
-    waiting_windows: int = 0
-    per_table: dict[str, dict[str, int]] = field(default_factory=dict)
-    phase_seconds: dict[str, float] = field(default_factory=dict)
 
 
 def _commit_positions(path) -> dict[int, int]:
@@ -188,8 +168,7 @@ class PostgresPipeline:
             rows=sum(counts.values()),
             per_chunk=counts,
             seconds=time.monotonic() - started,
-            xmin=low_watermark.xmin,
-            xmax=low_watermark.xmax,
+            low_watermark=f"{low_watermark.xmin}:{low_watermark.xmax}",
             hw=high_watermark,
         )
 
@@ -352,6 +331,15 @@ class PostgresPipeline:
         self.lake.clear_stale_markers({(w.table, w.chunk) for w in still_open}, older_than=log_read_at)
         return done, len(still_open)
 
+    # -- consistency -----------------------------------------------------------------------------------------
+    def check_chunks(
+        self, spark: SparkSession, table: CapturedTable, indexes: Sequence[int], wait_seconds: float = 120
+    ) -> list[ChunkCheck]:
+        """Count and checksum of ``indexes``' key ranges, by PostgreSQL and over the mirror (``check_chunks``)."""
+        from cdc_assets.lake.consistency import check_chunks
+
+        return check_chunks(self, spark, table, indexes, wait_seconds)
+
     # -- slot ------------------------------------------------------------------------------------------------
     def pending_work(self) -> str | None:
         """Why a stream batch is due now, or None: the slot holds a change for the publication, the slot lags the
@@ -369,7 +357,7 @@ class PostgresPipeline:
             return "a chunk window can close"
         return None
 
-    def advance_slot(self, lsn: int) -> int:
+    def acknowledge(self, lsn: int) -> int:
         """Move the slot to ``lsn`` (only forward). Call only after the offset ``lsn`` is recorded."""
         with self.connect() as conn:
             confirmed, _ = stream.slot_position(conn, self.source.slot)

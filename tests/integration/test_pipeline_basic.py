@@ -32,7 +32,7 @@ def run_until_reconciled(pipeline: PostgresPipeline, spark, rounds: int = 10) ->
         report = pipeline.stream_batch(spark, recorded, "test")
         reports.append(report)
         recorded = int(report.offset["lsn"].split("/")[0], 16) << 32 | int(report.offset["lsn"].split("/")[1], 16)
-        pipeline.advance_slot(recorded)
+        pipeline.acknowledge(recorded)
         if report.waiting_windows == 0 and report.changes == 0:
             break
     return reports

@@ -56,7 +56,7 @@ def source(postgres_server: dict[str, str], tmp_path: Path):
 def stream_once(pipeline: PostgresPipeline, spark, recorded: int | None) -> tuple[int, object]:
     report = pipeline.stream_batch(spark, recorded, "test")
     lsn = parse_lsn(str(report.offset["lsn"]))  # "recorded", then the slot follows
-    pipeline.advance_slot(lsn)
+    pipeline.acknowledge(lsn)
     return lsn, report
 
 
@@ -321,6 +321,6 @@ def test_one_huge_transaction_streams_with_bounded_driver_memory(source, spark) 
     growth_mb = (peak - baseline) / 2**20
     raw_mb = 200_000 * 260 / 2**20
     assert growth_mb < 2 * raw_mb, f"driver grew {growth_mb:.0f} MB for {raw_mb:.0f} MB of change text"
-    pipeline.advance_slot(parse_lsn(str(report.offset["lsn"])))
+    pipeline.acknowledge(parse_lsn(str(report.offset["lsn"])))
     mirror = spark.read.format("delta").load(pipeline.lake.table("public.items").mirror)
     assert mirror.where("id >= 1000000").count() == 200_000

@@ -1,0 +1,122 @@
+"""The source interface: what the Dagster glue, the consistency checks and the torture harness ask of a source.
+
+Contract: a ``CdcSource`` mirrors the captured tables (or collections) of one source database into one lake
+(``SourceLake``), without writing to the source. Everything database-specific stays behind these operations; the
+engine (chunks, watermark windows, reconciliation, offsets) and the lake code are shared.
+
+- ``prepare()`` checks the source's permissions, resolves the captured tables, and makes sure the change-capture
+  resources exist before any snapshot window opens (PostgreSQL: publication and replication slot). ``tables`` is
+  ``prepare()``'s result, resolved once per object.
+- ``plan(table)`` is the table's chunk plan: planned and stored on first use, immutable afterwards.
+- ``snapshot(spark, table, chunk_indexes, run_id)`` reads the chunks inside one watermark window and stages them;
+  the stream reconciles them once it has passed the window (DESIGN.md).
+- ``stream_batch(spark, recorded, run_id)`` applies one bounded batch of changes after the recorded position and
+  returns the batch's offset; it never acknowledges anything at the source. The caller records the offset, then
+  calls ``acknowledge`` with it. Positions are ordered integers (PostgreSQL: the LSN).
+- ``acknowledge(position)`` lets the source forget changes up to a recorded position (PostgreSQL: the slot moves
+  forward; a source that keeps no server-side state for us has nothing to do) and returns the position the source
+  now holds.
+- ``pending_work()`` says why a batch is due now, or None; cheap enough for a sensor that runs every few seconds.
+- ``check_chunks(spark, table, indexes, wait_seconds)`` compares row count and checksum of chunks, computed at the
+  source and over the mirror, at a consistent point (``cdc_assets.lake.consistency``).
+
+``open_source(config, source)`` returns the implementation for ``source.kind``. (Not ``runtime_checkable``: an
+``isinstance`` check would read ``tables`` and so connect to the source.)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol, TypeVar
+
+from cdc_assets.config import SOURCE_KINDS, CdcConfig, SourceConfig
+from cdc_assets.engine.chunks import ChunkPlan
+from cdc_assets.lake.layout import SourceLake
+
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
+
+    from cdc_assets.lake.consistency import ChunkCheck
+
+
+class CapturedTableLike(Protocol):
+    """What the shared code reads of a captured table or collection."""
+
+    @property
+    def qualified_name(self) -> str: ...
+
+    @property
+    def key_columns(self) -> tuple[str, ...]: ...
+
+
+TableT = TypeVar("TableT", bound=CapturedTableLike)
+
+
+@dataclass
+class SnapshotReport:
+    """One snapshot run: the attempt id, rows staged per chunk, and its window (low watermark as text, high
+    watermark position)."""
+
+    attempt: str
+    rows: int
+    per_chunk: dict[int, int]
+    seconds: float
+    low_watermark: str
+    hw: int
+
+
+@dataclass
+class StreamReport:
+    """One stream batch: the offset to record (field names of Debezium's offsets, DDD-4), counts, lag, the chunks
+    it reconciled and the seconds of its phases."""
+
+    offset: dict[str, object]
+    changes: int
+    transactions: int
+    seconds: float
+    lag_bytes: int
+    lag_seconds: float | None
+    reconciled: list[dict[str, object]] = field(default_factory=list)
+    waiting_windows: int = 0
+    per_table: dict[str, dict[str, int]] = field(default_factory=dict)
+    phase_seconds: dict[str, float] = field(default_factory=dict)
+
+
+class CdcSource(Protocol[TableT]):
+    source: SourceConfig
+    lake: SourceLake
+
+    @property
+    def tables(self) -> Mapping[str, TableT]: ...
+
+    def prepare(self) -> Mapping[str, TableT]: ...
+
+    def plan(self, table: TableT) -> ChunkPlan: ...
+
+    def snapshot(self, spark: SparkSession, table: TableT, chunk_indexes: list[int], run_id: str) -> SnapshotReport: ...
+
+    def stream_batch(self, spark: SparkSession, recorded: int | None, run_id: str) -> StreamReport: ...
+
+    def acknowledge(self, position: int) -> int: ...
+
+    def pending_work(self) -> str | None: ...
+
+    def check_chunks(
+        self, spark: SparkSession, table: TableT, indexes: Sequence[int], wait_seconds: float = 120
+    ) -> list[ChunkCheck]: ...
+
+
+class UnsupportedSourceError(ValueError):
+    """A source kind without an implementation."""
+
+
+def open_source(config: CdcConfig, source: SourceConfig) -> CdcSource:
+    """The ``CdcSource`` of ``source`` (by ``source.kind``)."""
+    if source.kind == "postgres":
+        from cdc_assets.lake.pipeline import PostgresPipeline
+
+        return PostgresPipeline(config, source)
+    raise UnsupportedSourceError(
+        f"source {source.name!r}: kind {source.kind!r} has no implementation; allowed: {', '.join(SOURCE_KINDS)}"
+    )

@@ -1,0 +1,50 @@
+"""``cdc_assets.source``: the PostgreSQL pipeline is a ``CdcSource``; a kind without an implementation is named."""
+
+import dataclasses
+from functools import cached_property
+from pathlib import Path
+
+import pytest
+
+from cdc_assets.config import parse_config
+from cdc_assets.lake.pipeline import PostgresPipeline
+from cdc_assets.source import CdcSource, UnsupportedSourceError, open_source
+
+RAW = {
+    "lake_root": "lake",
+    "sources": [
+        {
+            "name": "shop",
+            "kind": "postgres",
+            "connection": {"host": "127.0.0.1", "dbname": "d", "user": "u", "password": "${PGPW}"},
+            "tables": ["public.orders"],
+        }
+    ],
+}
+
+
+def test_postgres_source_opens_as_a_cdc_source(tmp_path: Path) -> None:
+    config = parse_config(RAW, tmp_path, {"PGPW": "s3cret"})
+    source = open_source(config, config.source("shop"))  # connects to nothing until an operation runs
+    assert isinstance(source, PostgresPipeline)
+    assert source.source.name == "shop"
+    assert source.lake.root == tmp_path / "lake" / "shop"
+
+
+def test_every_interface_operation_is_implemented_by_postgres() -> None:
+    operations = [name for name in vars(CdcSource) if not name.startswith("_") and callable(vars(CdcSource)[name])]
+    assert {"prepare", "plan", "snapshot", "stream_batch", "acknowledge", "pending_work", "check_chunks"} <= set(
+        operations
+    )
+    for name in operations:
+        assert callable(getattr(PostgresPipeline, name)), name
+    assert isinstance(vars(PostgresPipeline)["tables"], cached_property)  # resolved once, by prepare()
+
+
+def test_a_kind_without_implementation_is_refused_by_name(tmp_path: Path) -> None:
+    config = parse_config(RAW, tmp_path, {"PGPW": "s3cret"})
+    mongo = dataclasses.replace(config.source("shop"), kind="mongodb")
+    with pytest.raises(
+        UnsupportedSourceError, match=r"source 'shop': kind 'mongodb' has no implementation; allowed: postgres"
+    ):
+        open_source(config, mongo)
