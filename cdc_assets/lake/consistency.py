@@ -1,7 +1,7 @@
 """Per-chunk consistency check: does the mirror hold exactly the source's rows of one chunk?
 
-Contract: ``check_chunk(pipeline, spark, table, index)`` (``check_chunks`` for several chunks of a table in one
-window) runs a watermark window like a snapshot: low watermark; in
+Contract: ``check_chunks(pipeline, spark, table, indexes)`` (several chunks of a table in one window, or one) runs a
+watermark window like a snapshot: low watermark; in
 one ``REPEATABLE READ, READ ONLY`` transaction PostgreSQL computes the chunk's row count and checksum (the sum of
 ``row_digest.source_row_digest`` over the key range); high watermark. It then waits until the stream has applied
 everything up to the high watermark (the slot's ``confirmed_flush_lsn`` passed it, or ``wait_seconds`` expire: then
@@ -94,17 +94,11 @@ def _summary(frame: DataFrame) -> tuple[int, int]:
     return int(row["n"]), int(row["h"] or 0)
 
 
-def check_chunk(
-    pipeline: PostgresPipeline, spark: SparkSession, table: CapturedTable, index: int, wait_seconds: float = 120
-) -> ChunkCheck:
-    return check_chunks(pipeline, spark, table, [index], wait_seconds)[0]
-
-
 def check_chunks(
     pipeline: PostgresPipeline, spark: SparkSession, table: CapturedTable, indexes: Sequence[int],
     wait_seconds: float = 120,
 ) -> list[ChunkCheck]:  # fmt: skip
-    """``check_chunk`` for several chunks of one table in one watermark window (one wait for the stream)."""
+    """Check ``indexes`` of ``table`` in one watermark window (one wait for the stream); one result per index."""
     plan = pipeline.plan(table)
     chunks = [plan.chunks[i] for i in indexes]
     paths = pipeline.lake.table(table.qualified_name)

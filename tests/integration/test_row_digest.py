@@ -12,7 +12,7 @@ from psycopg import sql
 from pyspark.sql import functions as F
 
 from cdc_assets.engine.pg_values import UNREPRESENTABLE_COLUMN, apply_session_settings, spark_schema
-from cdc_assets.lake.consistency import check_chunk
+from cdc_assets.lake.consistency import check_chunks
 from cdc_assets.lake.pipeline import PostgresPipeline
 from cdc_assets.lake.row_digest import (
     mirror_column_texts,
@@ -186,7 +186,7 @@ def test_database_side_checksum_matches_and_sees_a_one_ulp_change(mirrored, spar
     streamer = Streamer(pipeline, spark, recorded)  # the single-chunk check, as the Dagster asset check runs it
     streamer.start()
     try:
-        result = check_chunk(pipeline, spark, table, 0, wait_seconds=120)
+        (result,) = check_chunks(pipeline, spark, table, [0], wait_seconds=120)
     finally:
         streamer.finish()
     assert result.conclusive and not result.matches
