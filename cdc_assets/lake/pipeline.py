@@ -44,7 +44,7 @@ from cdc_assets.engine.pg_values import PgColumn, copy_query_to_arrow, spark_sch
 from cdc_assets.engine.windows import RECONCILED, STAGED, ChunkWindow, closable, open_windows
 from cdc_assets.lake import windows as window_log
 from cdc_assets.lake.layout import SourceLake
-from cdc_assets.lake.mirror import append_changelog, apply_changes, fill_unknown, reconcile
+from cdc_assets.lake.mirror import append_changelog, apply_changes, ensure_staging, fill_unknown, reconcile
 from cdc_assets.lake.retry import commit_with_retry
 from cdc_assets.postgres import catalog, snapshot, stream
 from cdc_assets.postgres.catalog import CapturedTable
@@ -141,6 +141,7 @@ class PostgresPipeline:
             lw_lsn = snapshot.take_insert_lsn(conn)
             low_watermark = snapshot.take_low_watermark(conn)  # step 1: every read below starts after this
             rows = self.read_chunks(spark, conn, table, chunks, attempt)
+            ensure_staging(spark, paths.staging, rows.schema)
             writer = rows.write.format("delta").mode("append").partitionBy("_cdc_attempt").option("mergeSchema", "true")
             commit_with_retry(lambda: writer.save(paths.staging), f"staging {paths.staging}")  # step 2
             high_watermark = snapshot.take_high_watermark(conn)  # step 3: after every read finished
