@@ -19,6 +19,8 @@ run starts its own, see ``bench.freshness``):
    batches' phase seconds (read = peek + fetch + pgoutput decode + spill; changelog; merge; reconcile), CPU seconds and
    peak RSS of driver, JVM and Python workers. Checked afterwards: the mirror's row count, sum(id) and sum(amount)
    equal the source's.
+5. Upkeep: ``maintain_lake`` once (what a stream run does every ``stream.maintenance_seconds``): its seconds and the
+   mirror's and changelog's file counts before and after; the mirror's sums must not change.
 
 Output: results table, ratio ours/decode-limit, ``bench/out/stream-<utc>.json``, ``bench/out/stream_batches.png``
 (changes/s per batch against the decode limit).
@@ -221,6 +223,25 @@ def run(args: argparse.Namespace, lake: Path) -> dict[str, Any]:
     check = {"source": [str(v) for v in source_sums], "mirror": [str(v) for v in mirror_sums]}
     if [str(v) for v in source_sums] != [str(v) for v in mirror_sums]:
         raise RuntimeError(f"mirror differs from source: {check}")
+
+    # 5. the lake upkeep a stream run does between batches (at most every stream.maintenance_seconds)
+    from cdc_assets.lake.maintenance import maintain_lake
+
+    paths = pipeline.lake.table(table.qualified_name)
+
+    def files() -> dict[str, int]:
+        return {kind: len(spark.read.format("delta").load(path).inputFiles())
+                for kind, path in (("mirror", paths.mirror), ("changelog", paths.changelog))}  # fmt: skip
+
+    files_before = files()
+    started = time.monotonic()
+    upkeep = maintain_lake(spark, pipeline.lake, [table.qualified_name], 64 * MB)[0]
+    upkeep_seconds = time.monotonic() - started
+    files_after = files()
+    after_sums = mirror.selectExpr("count(*)", "sum(id)", "sum(amount)").first()
+    if [str(v) for v in after_sums] != [str(v) for v in mirror_sums]:
+        raise RuntimeError(f"the upkeep changed the mirror: {list(after_sums)} vs {list(mirror_sums)}")
+    print(f"[stream] upkeep: {upkeep_seconds:.1f} s, files {files_before} -> {files_after}", flush=True)
     spark.stop()
     return {
         "machine": machine(),
@@ -231,7 +252,9 @@ def run(args: argparse.Namespace, lake: Path) -> dict[str, Any]:
         "decode": decode,
         "ours": {"changes": applied, "seconds": apply_seconds, "batches": batches, "usage": usage_json(usage)},
         "check": check,
-    }
+        "upkeep": {"seconds": upkeep_seconds, "files_before": files_before, "files_after": files_after,
+                   "staging_files_dropped": upkeep.staging_files_dropped, "files_vacuumed": upkeep.files_vacuumed},
+    }  # fmt: skip
 
 
 def report(result: dict[str, Any], args: argparse.Namespace) -> None:
@@ -271,6 +294,10 @@ def report(result: dict[str, Any], args: argparse.Namespace) -> None:
     print(f"  our phase seconds (sum over batches): { {k: round(v, 1) for k, v in phases.items()} }")
     print(f"  our processes: {usage}")
     print(f"  Spark start-up {result['spark_start_seconds']:.1f} s (once, not in the figures above)")
+    upkeep = result["upkeep"]
+    print(f"  lake upkeep after the workload (maintain_lake): {upkeep['seconds']:.1f} s; files "
+          f"{upkeep['files_before']} -> {upkeep['files_after']}; staging files dropped "
+          f"{upkeep['staging_files_dropped']}")  # fmt: skip
     plot(result, limit)
 
 

@@ -9,6 +9,8 @@ keeps its Spark session across batches for ``stream.run_seconds``, so a batch do
 
 import time
 from collections.abc import Iterator
+from dataclasses import asdict
+from typing import TYPE_CHECKING
 
 from dagster import (
     AssetCheckExecutionContext,
@@ -36,6 +38,9 @@ from cdc_assets.engine.chunks import chunk_index, chunk_partition_key
 from cdc_assets.engine.faults import fault_point
 from cdc_assets.engine.lsn import format_lsn, parse_lsn
 from cdc_assets.source import CdcSource, StreamReport
+
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
 
 CHUNKS_PER_RUN = 4
 # a retried step re-reads (snapshot: new attempt, new window) or re-applies idempotently (stream)
@@ -187,10 +192,35 @@ def build_stream_asset(source: SourceConfig, table_names: list[str]) -> AssetsDe
             fault_point("stream.after_offset_record")
             recorded = parse_lsn(report.offset["lsn"])
             pipeline.acknowledge(recorded)
+            if pipeline.lake.maintenance_due(source.stream.maintenance_seconds):
+                yield _maintain(context, pipeline, spark, source)
             if not _next_batch_due(context, pipeline, source, deadline):
                 return
 
     return stream_batches
+
+
+def _maintain(
+    context: AssetExecutionContext, pipeline: CdcSource, spark: "SparkSession", source: SourceConfig
+) -> AssetObservation:
+    """Lake upkeep between batches (``cdc_assets.lake.maintenance``), recorded as an observation of the stream."""
+    from cdc_assets.lake.maintenance import maintain_lake  # Spark imports stay out of definition loading
+
+    started = time.monotonic()
+    results = maintain_lake(spark, pipeline.lake, pipeline.tables, source.stream.compact_target_mb * 1024 * 1024)
+    pipeline.lake.mark_maintained()
+    seconds = round(time.monotonic() - started, 3)
+    context.log.info(f"lake upkeep of source {source.name!r} took {seconds} s")
+    return AssetObservation(
+        asset_key=stream_asset_key(source.name),
+        metadata={
+            "maintenance_seconds": seconds,
+            "files_compacted": sum(r.files_compacted for r in results),
+            "files_vacuumed": sum(r.files_vacuumed for r in results),
+            "staging_files_dropped": sum(r.staging_files_dropped for r in results),
+            "per_table": MetadataValue.json([asdict(r) for r in results]),
+        },
+    )
 
 
 def batch_metadata(report: StreamReport) -> dict[str, object]:

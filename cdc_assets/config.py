@@ -92,6 +92,11 @@ class StreamConfig:
     run_seconds: int = 0
     # how often a long-lived stream run asks the source whether a batch is due
     poll_seconds: int = 1
+    # lake upkeep between stream batches (compaction, vacuum, staged rows of finished snapshots): at most this often
+    # (0: never; then run it yourself)
+    maintenance_seconds: int = 3600
+    # compaction packs files smaller than this into files of about this size
+    compact_target_mb: int = 64
 
 
 @dataclass(frozen=True)
@@ -235,14 +240,16 @@ def _connection(raw: Any, where: str, environ: Any) -> PostgresConnection:
 
 
 def _stream(raw: Any, where: str) -> StreamConfig:
-    positive = {"interval_seconds", "max_changes", "max_lag_bytes", "spill_rows", "poll_seconds"}
-    stream = _mapping(raw, where, positive | {"run_seconds"})
+    positive = {
+        "interval_seconds", "max_changes", "max_lag_bytes", "spill_rows", "poll_seconds", "compact_target_mb",
+    }  # fmt: skip
+    zero_or_positive = {"run_seconds", "maintenance_seconds"}
+    stream = _mapping(raw, where, positive | zero_or_positive)
     defaults = StreamConfig()
     values = {k: _positive_int(stream.get(k, getattr(defaults, k)), f"{where}.{k}") for k in positive}
-    run_seconds = stream.get("run_seconds", defaults.run_seconds)
-    if run_seconds != 0:
-        run_seconds = _positive_int(run_seconds, f"{where}.run_seconds")
-    return StreamConfig(**values, run_seconds=run_seconds)
+    for key in zero_or_positive:
+        values[key] = _zero_or_positive_int(stream.get(key, getattr(defaults, key)), f"{where}.{key}")
+    return StreamConfig(**values)
 
 
 def _table(raw: Any, where: str) -> TableConfig:
@@ -317,4 +324,12 @@ def _positive_int(value: Any, where: str) -> int:
         value = int(value)
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ConfigError(f"{where}: expected a positive integer, got {value!r}")
+    return value
+
+
+def _zero_or_positive_int(value: Any, where: str) -> int:
+    if isinstance(value, str) and value.isdigit():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ConfigError(f"{where}: expected 0 (off) or a positive integer, got {value!r}")
     return value

@@ -26,11 +26,13 @@ deterministic, so a seed fixes the workload's recipe, not its exact interleaving
    seeds like a long-lived Spark session; a killed one is replaced by a new process): ``--snapshot-workers``
    processes snapshot all chunks in parallel (groups of 1-3 chunks per run, then random re-snapshots while the
    workload lasts) while one stream process runs batches back to back: ``stream_batch``, the harness records the
-   offset, then the worker acknowledges it (the slot moves, as the Dagster stream asset does). Every run builds a
+   offset, then the worker acknowledges it (the slot moves, as the Dagster stream asset does); after every 4th
+   batch it runs the lake upkeep (``maintain_lake``: staged attempts dropped, compaction, vacuum). Every run builds a
    fresh ``CdcSource`` (``open_source``) and calls ``prepare()``, as a Dagster run would.
 4. **Faults** (unless ``--no-faults``): workers run with ``CDC_FAULTS`` / ``CDC_FAULT_PROBABILITY`` /
    ``CDC_FAULT_SEED`` (snapshot: ``snapshot.before_window_record``; stream: ``stream.after_changelog``,
-   ``stream.after_lake_commit``, ``stream.after_offset_record``), so they are SIGKILLed at those points; a killed
+   ``stream.after_lake_commit``, ``stream.after_offset_record``, ``stream.during_maintenance``), so they are
+   SIGKILLed at those points; a killed
    or failed run is re-run (as Dagster's retry policy would, up to 8 attempts). An **executor loss**: a Spark
    Python worker process of a snapshot worker is SIGKILLed while a chunk read runs (Spark retries the task, or the
    run fails and is re-run). A **source restart**: ``scripts/pg.sh restart`` once mid-run (writers reconnect;
@@ -114,7 +116,12 @@ from cdc_assets.engine.lsn import format_lsn, parse_lsn  # noqa: E402
 
 READER_PASSWORD = "torture-rd-9"
 SNAPSHOT_POINTS = ("snapshot.before_window_record",)
-STREAM_POINTS = ("stream.after_changelog", "stream.after_lake_commit", "stream.after_offset_record")
+STREAM_POINTS = (
+    "stream.after_changelog", "stream.after_lake_commit", "stream.after_offset_record", "stream.during_maintenance",
+)  # fmt: skip
+MAINTAIN_EVERY = (
+    4  # the stream worker runs the lake upkeep after every 4th batch (production: stream.maintenance_seconds)
+)
 TASK_ATTEMPTS = 8
 WORKER_MASTER = "local[2,4]"  # 2 cores, a failed task is retried up to 4 times (as on a cluster)
 # C1-only JIT and the serial collector: short-lived drivers on a small machine start and warm up about twice as fast
@@ -834,6 +841,7 @@ def worker_main(role: str, result_fd: int, broken: bool, patched: bool) -> int:
     """A long-lived worker: each task is one Dagster-like run with a fresh pipeline (``prepare()``)."""
     from pyspark.sql import functions as F
 
+    import cdc_assets.lake.maintenance as maintenance_module
     import cdc_assets.lake.pipeline as pipeline_module
     from cdc_assets.engine import faults
     from cdc_assets.lake import mirror
@@ -848,6 +856,7 @@ def worker_main(role: str, result_fd: int, broken: bool, patched: bool) -> int:
         original(name)
 
     pipeline_module.fault_point = traced  # type: ignore[attr-defined]
+    maintenance_module.fault_point = traced  # type: ignore[attr-defined]
     patches = apply_patches() if patched else []
     if broken and role == "stream":
 
@@ -882,6 +891,8 @@ def worker_main(role: str, result_fd: int, broken: bool, patched: bool) -> int:
                     return 0
                 traced("stream.after_offset_record")  # offset recorded by the harness; now the slot may follow
                 pipeline.acknowledge(lsn)
+                if task.get("maintain"):  # between batches, as the Dagster stream run does
+                    maintenance_module.maintain_lake(spark, pipeline.lake, tables, 64 * 1024 * 1024)
                 _emit(channel, {"ok": True, "advanced": lsn})
             else:
                 raise ValueError(f"unknown task {task['op']!r}")
@@ -1201,7 +1212,9 @@ class SeedRun:
                 self.recorded = int(result["offset"])  # "materialization metadata": then the slot may follow
 
             result = self.run_task(
-                worker, {"op": "stream", "source": self.spec, "recorded": self.recorded, "run": f"b{self.batches}"},
+                worker,
+                {"op": "stream", "source": self.spec, "recorded": self.recorded, "run": f"b{self.batches}",
+                 "maintain": self.batches % MAINTAIN_EVERY == MAINTAIN_EVERY - 1},
                 record,
             )  # fmt: skip
             self.batches += 1

@@ -7,7 +7,8 @@ probability, drawn from ``random.Random(CDC_FAULT_SEED)``. Production never sets
 
 Points: ``snapshot.before_window_record`` (rows staged, window not recorded), ``stream.after_changelog``
 (changelogs appended, mirrors not merged), ``stream.after_lake_commit`` (lake written, offset not recorded),
-``stream.after_offset_record`` (offset recorded, slot not advanced).
+``stream.after_offset_record`` (offset recorded, slot not advanced), ``stream.during_maintenance`` (lake upkeep
+between batches: a table's finished staged attempts dropped, its tables not yet compacted or vacuumed).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ POINTS = (
     "stream.after_changelog",
     "stream.after_lake_commit",
     "stream.after_offset_record",
+    "stream.during_maintenance",
 )
 _draw = random.Random(os.environ.get("CDC_FAULT_SEED", "0"))
 

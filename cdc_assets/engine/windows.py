@@ -6,6 +6,8 @@ Contract:
 - The window log holds events ``staged`` (an attempt's rows are in staging) and ``reconciled`` (that attempt was
   applied to the mirror). ``open_windows(events)``: for each chunk, its latest staged attempt, unless that attempt is
   reconciled. An older attempt is superseded by a newer one (a re-materialized partition) and never applied.
+- ``finished_attempts(events)``: per table, the staged attempts none of whose windows is open (each was reconciled
+  or superseded): their staged rows are never read again, so staging may drop them.
 - ``closable(windows, applied_lsn)``: the open windows whose ``hw`` the stream has passed (``hw <= applied_lsn``):
   every transaction visible to their reads is in the lake, so they can be reconciled.
 """
@@ -61,3 +63,14 @@ def open_windows(events: Iterable[WindowEvent]) -> list[ChunkWindow]:
 
 def closable(windows: Iterable[ChunkWindow], applied_lsn: int) -> list[ChunkWindow]:
     return [w for w in windows if w.hw <= applied_lsn]
+
+
+def finished_attempts(events: Iterable[WindowEvent]) -> dict[str, set[str]]:
+    events = list(events)
+    still_open = {(w.table, w.attempt) for w in open_windows(events)}
+    finished: dict[str, set[str]] = {}
+    for item in events:
+        key = (item.window.table, item.window.attempt)
+        if item.event == STAGED and key not in still_open:
+            finished.setdefault(item.window.table, set()).add(item.window.attempt)
+    return finished

@@ -7,6 +7,8 @@ Contract (``<lake_root>/<source>/``):
 - ``_cdc/waiting/<schema>.<table>@<chunk>.hw``: one small file per staged, not yet reconciled chunk holding its
   high watermark, so the streaming sensor can see that a window may close without starting Spark. Markers are
   hints: the window log is the truth, and the stream batch rewrites the markers from it.
+- ``_cdc/maintained``: an empty file whose modification time is the end of the last lake upkeep
+  (``cdc_assets.lake.maintenance``).
 - ``_cdc/spill/<batch>/``: a stream batch's decoded changes (Parquet), removed after the batch.
 The plan, marker and spill folders use the local file system API: the lake root must be a local or mounted path.
 """
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,6 +46,23 @@ class SourceLake:
 
     def spill_dir(self, batch_id: str) -> Path:
         return self.control / "spill" / batch_id
+
+    # -- upkeep --------------------------------------------------------------------------------------------
+    def maintenance_due(self, interval_seconds: int, now: float | None = None) -> bool:
+        """Whether ``interval_seconds`` have passed since the last upkeep (or none ran); never when 0."""
+        if interval_seconds <= 0:
+            return False
+        marker = self.control / "maintained"
+        try:
+            last = marker.stat().st_mtime
+        except FileNotFoundError:
+            return True
+        return (time.time() if now is None else now) - last >= interval_seconds
+
+    def mark_maintained(self) -> None:
+        marker = self.control / "maintained"
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        marker.touch()
 
     # -- chunk plans ---------------------------------------------------------------------------------------
     def plan_path(self, qualified_name: str) -> Path:

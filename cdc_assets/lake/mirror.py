@@ -94,6 +94,8 @@ STAGING_PROPERTIES = {
     # column's range, and collecting them cost as much as encoding the rows (1M rows: 11.5 s write with, 6.2 s
     # without)
     "delta.dataSkippingNumIndexedCols": "0",
+    # staged rows of finished attempts are deleted (cdc_assets.lake.maintenance); their files go a day later
+    "delta.deletedFileRetentionDuration": "interval 1 days",
 }
 
 
@@ -123,11 +125,25 @@ def ensure_staging(spark: SparkSession, path: str, schema: T.StructType) -> None
 # Changelog
 
 
+MAINTENANCE_OPERATIONS = ("OPTIMIZE", "VACUUM START", "VACUUM END")
+
+
 def last_applied_lsn(spark: SparkSession, path: str) -> int | None:
-    """The offset ``lsn`` in the latest commit's ``userMetadata`` (every stream commit carries its batch's offset)."""
+    """The offset ``lsn`` in the ``userMetadata`` of the latest stream commit (every stream commit carries its
+    batch's offset; maintenance commits, ``cdc_assets.lake.maintenance``, carry none and are skipped)."""
     if not DeltaTable.isDeltaTable(spark, path):
         return None
-    row = DeltaTable.forPath(spark, path).history(1).select("userMetadata").first()
+    table = DeltaTable.forPath(spark, path)
+    for limit in (1, 32, None):
+        history = table.history(limit) if limit else table.history()
+        row = (
+            history.where(~F.col("operation").isin(*MAINTENANCE_OPERATIONS))
+            .orderBy(F.col("version").desc())
+            .select("userMetadata")
+            .first()
+        )
+        if row is not None:
+            break
     if row is None or not row[0]:
         return None
     try:

@@ -56,3 +56,18 @@ def test_startup_mode_values() -> None:
     timestamp = {**BASE, "sources": [{**BASE["sources"][0], "startup_mode": "timestamp"}]}
     with pytest.raises(ConfigError, match="slot cannot start in the past"):
         parse(timestamp)
+
+
+def with_stream(stream: dict) -> dict:
+    return {**BASE, "sources": [{**BASE["sources"][0], "stream": stream}]}
+
+
+def test_stream_upkeep_settings() -> None:
+    default = parse(BASE).source("demo").stream
+    assert (default.maintenance_seconds, default.compact_target_mb) == (3600, 64)
+    off = parse(with_stream({"maintenance_seconds": 0, "run_seconds": 0})).source("demo").stream
+    assert (off.maintenance_seconds, off.run_seconds) == (0, 0)
+    with pytest.raises(ConfigError, match=r"stream\.maintenance_seconds: expected 0 \(off\) or a positive integer"):
+        parse(with_stream({"maintenance_seconds": -1}))
+    with pytest.raises(ConfigError, match=r"stream\.compact_target_mb: expected a positive integer, got 0"):
+        parse(with_stream({"compact_target_mb": 0}))

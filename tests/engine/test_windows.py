@@ -7,7 +7,15 @@ from datetime import UTC, datetime, timedelta
 import pytest
 
 from cdc_assets.engine.watermark import LowWatermark
-from cdc_assets.engine.windows import RECONCILED, STAGED, ChunkWindow, WindowEvent, closable, open_windows
+from cdc_assets.engine.windows import (
+    RECONCILED,
+    STAGED,
+    ChunkWindow,
+    WindowEvent,
+    closable,
+    finished_attempts,
+    open_windows,
+)
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
 
@@ -50,3 +58,22 @@ def test_closable_once_the_stream_passed_the_high_watermark() -> None:
 def test_unknown_event_is_refused() -> None:
     with pytest.raises(ValueError, match="unknown window event 'closed'; allowed: staged, reconciled"):
         open_windows([WindowEvent("closed", window(0, "a", 1))])
+
+
+def test_attempt_is_finished_once_none_of_its_chunks_is_open() -> None:
+    a0, a1 = window(0, "run1", 500), window(1, "run1", 500)
+    events = [WindowEvent(STAGED, a0), WindowEvent(STAGED, a1)]
+    assert finished_attempts(events) == {}
+    # one chunk of the attempt reconciled, the other still waits: its rows are still needed
+    assert finished_attempts([*events, WindowEvent(RECONCILED, a0)]) == {}
+    assert finished_attempts([*events, WindowEvent(RECONCILED, a0), WindowEvent(RECONCILED, a1)]) == {
+        "public.t": {"run1"}
+    }
+
+
+def test_superseded_attempt_is_finished_but_its_successor_waits() -> None:
+    old, new = window(0, "a", 500, minutes=0), window(0, "b", 900, minutes=5)
+    elsewhere = window(0, "a", 500, table="public.u")  # same attempt id in another table's staging
+    events = [WindowEvent(STAGED, old), WindowEvent(STAGED, new), WindowEvent(STAGED, elsewhere)]
+    assert finished_attempts(events) == {"public.t": {"a"}}
+    assert finished_attempts([*events, WindowEvent(RECONCILED, new)]) == {"public.t": {"a", "b"}}

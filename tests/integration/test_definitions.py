@@ -17,6 +17,7 @@ from cdc_assets.assets import recorded_offset, stream_asset_key
 from cdc_assets.build import build_definitions
 from cdc_assets.engine.chunks import chunk_partition_key
 from cdc_assets.engine.lsn import parse_lsn
+from cdc_assets.lake.layout import SourceLake
 from cdc_assets.offsets import OffsetError, validate_postgres_offset
 from cdc_assets.postgres.stream import slot_position
 from tests.integration.support import READER_PASSWORD, create_source, drop_source
@@ -106,6 +107,15 @@ def test_stream_asset_records_offset_then_advances_slot(config_path, spark) -> N
     assert after == recorded  # the slot followed the recorded offset, not further
     rows = spark.read.format("delta").load(str(path.parent / "lake" / "defs" / "public.pairs" / "mirror"))
     assert rows.count() == 2
+    # the first batch of a lake never maintained is followed by the upkeep, recorded as an observation
+    upkeep = [
+        event.event_specific_data.asset_observation.metadata
+        for event in result.all_events
+        if event.event_type_value == "ASSET_OBSERVATION"
+        and event.event_specific_data.asset_observation.asset_key == stream_asset_key("defs")
+    ]
+    assert len(upkeep) == 1 and {"maintenance_seconds", "files_compacted", "files_vacuumed"} <= set(upkeep[0])
+    assert not SourceLake(path.parent / "lake", "defs").maintenance_due(3600)
 
 
 def test_change_offset_validation_names_field_and_range() -> None:

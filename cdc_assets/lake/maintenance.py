@@ -1,0 +1,137 @@
+"""Upkeep of one captured table's Delta tables: what a long-running stream needs so the lake does not grow without
+bound. Every step is Delta's own operation; none changes what a reader of the latest version sees.
+
+Contract:
+- ``drop_attempts(spark, staging_path, attempts)``: deletes the staged rows of ``attempts`` (finished attempts, see
+  ``cdc_assets.engine.windows.finished_attempts``). Staging is partitioned by attempt, so Delta removes whole files
+  and rewrites nothing; a delete that matches no file commits nothing. Returns the number of files removed.
+- ``compact(spark, path, target_bytes)``: Delta ``OPTIMIZE`` (bin-packing) of the files smaller than
+  ``target_bytes`` into files of about ``target_bytes``; files whose deletion vectors hide more than Delta's
+  ``optimize.maxDeletedRowsRatio`` of their rows are rewritten too. The commit has ``dataChange=false``: no Change
+  Data Feed rows, and streaming readers of the table skip it. Returns files removed and added.
+- ``vacuum(spark, path)``: Delta ``VACUUM`` with the table's retention (``delta.deletedFileRetentionDuration``:
+  Delta's default of 7 days for the mirror, the changelog and the window log unless a user sets it; 1 day for
+  staging, ``STAGING_PROPERTIES``). Files younger than that stay, so readers of recent versions and writes in
+  progress are safe. Returns the number of files deleted.
+- ``maintain_lake(spark, lake, tables, target_bytes)`` does all of it for a source: for each table, drops the staged
+  rows of finished attempts, compacts the mirror and the changelog, vacuums the three; then compacts and vacuums the
+  window log. Returns one ``TableUpkeep`` per table.
+The caller runs these from the only writer of the mirror and the changelog (the stream run), between batches, so
+they never conflict with a merge; snapshot runs only append to staging, which a partition delete of other attempts
+does not conflict with (and ``commit_with_retry`` retries if it does).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from delta.tables import DeltaTable
+from pyspark.errors import AnalysisException
+from pyspark.sql import SparkSession
+from pyspark.sql import functions as F
+
+from cdc_assets.engine.faults import fault_point
+from cdc_assets.engine.windows import finished_attempts
+from cdc_assets.lake import windows as window_log
+from cdc_assets.lake.layout import SourceLake
+from cdc_assets.lake.retry import commit_with_retry
+
+LISTING_PARALLELISM = "spark.sql.sources.parallelPartitionDiscovery.parallelism"
+OPTIMIZE_FILE_SIZE_CONFS = (
+    "spark.databricks.delta.optimize.minFileSize",
+    "spark.databricks.delta.optimize.maxFileSize",
+)
+
+
+def _table(spark: SparkSession, path: str) -> DeltaTable | None:
+    try:
+        return DeltaTable.forPath(spark, path)
+    except AnalysisException as error:
+        if error.getCondition() in ("PATH_NOT_FOUND", "DELTA_TABLE_NOT_FOUND", "DELTA_MISSING_DELTA_TABLE"):
+            return None
+        raise
+
+
+def _last_metrics(table: DeltaTable, operation: str) -> dict[str, str]:
+    row = table.history(1).select("operation", "operationMetrics").first()
+    if row is None or row["operation"] != operation:
+        return {}
+    return dict(row["operationMetrics"] or {})
+
+
+def drop_attempts(spark: SparkSession, staging_path: str, attempts: Iterable[str]) -> int:
+    wanted = sorted(set(attempts))
+    table = _table(spark, staging_path)
+    if table is None or not wanted:
+        return 0
+    version = table.history(1).select("version").first()[0]
+    commit_with_retry(lambda: table.delete(F.col("_cdc_attempt").isin(wanted)), f"drop staged attempts {staging_path}")
+    if table.history(1).select("version").first()[0] == version:
+        return 0
+    return int(_last_metrics(table, "DELETE").get("numRemovedFiles", 0))
+
+
+@contextmanager
+def _session_conf(spark: SparkSession, settings: dict[str, str]) -> Iterator[None]:
+    """``settings`` in the session's conf for the duration of the block, then the previous values."""
+    saved = {key: spark.conf.get(key, None) for key in settings}
+    try:
+        for key, value in settings.items():
+            spark.conf.set(key, value)
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                spark.conf.unset(key)
+            else:
+                spark.conf.set(key, value)
+
+
+def compact(spark: SparkSession, path: str, target_bytes: int) -> tuple[int, int]:
+    table = _table(spark, path)
+    if table is None:
+        return 0, 0
+    with _session_conf(spark, dict.fromkeys(OPTIMIZE_FILE_SIZE_CONFS, str(target_bytes))):
+        metrics = commit_with_retry(lambda: table.optimize().executeCompaction().first(), f"compact {path}")
+    if metrics is None:
+        return 0, 0
+    result = metrics["metrics"]
+    return int(result["numFilesRemoved"]), int(result["numFilesAdded"])
+
+
+def vacuum(spark: SparkSession, path: str, retention_hours: float | None = None) -> int:
+    table = _table(spark, path)
+    if table is None:
+        return 0
+    # Delta lists the table's folders in a Spark job of spark.sql.sources.parallelPartitionDiscovery.parallelism
+    # tasks (10000 by default): on a small machine scheduling those took minutes for a table of a few files
+    listing = str(max(2, spark.sparkContext.defaultParallelism * 2))
+    with _session_conf(spark, {LISTING_PARALLELISM: listing}):
+        commit_with_retry(lambda: table.vacuum(retention_hours), f"vacuum {path}")
+    return int(_last_metrics(table, "VACUUM END").get("numDeletedFiles", 0))
+
+
+@dataclass(frozen=True)
+class TableUpkeep:
+    table: str
+    staging_files_dropped: int
+    files_compacted: int
+    files_written: int
+    files_vacuumed: int
+
+
+def maintain_lake(spark: SparkSession, lake: SourceLake, tables: Iterable[str], target_bytes: int) -> list[TableUpkeep]:
+    finished = finished_attempts(window_log.read_events(spark, lake.windows))
+    results = []
+    for name in sorted(tables):
+        paths = lake.table(name)
+        dropped = drop_attempts(spark, paths.staging, finished.get(name, ()))
+        fault_point("stream.during_maintenance")
+        compacted = [compact(spark, path, target_bytes) for path in (paths.mirror, paths.changelog)]
+        vacuumed = sum(vacuum(spark, path) for path in (paths.staging, paths.mirror, paths.changelog))
+        results.append(TableUpkeep(name, dropped, sum(r for r, _ in compacted), sum(a for _, a in compacted), vacuumed))
+    compact(spark, lake.windows, target_bytes)
+    vacuum(spark, lake.windows)
+    return results

@@ -1,0 +1,108 @@
+"""Lake upkeep (``cdc_assets.lake.maintenance``) on a live pipeline: real PostgreSQL, Spark and Delta."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import psycopg
+import pytest
+from pyspark.sql import functions as F
+
+from cdc_assets.engine.lsn import parse_lsn
+from cdc_assets.engine.windows import finished_attempts
+from cdc_assets.lake import windows as window_log
+from cdc_assets.lake.maintenance import drop_attempts, maintain_lake, vacuum
+from cdc_assets.lake.mirror import last_applied_lsn
+from cdc_assets.lake.pipeline import PostgresPipeline
+from tests.integration.support import SEED_SQL, create_source, drop_source, mirror_rows, pipeline_config, source_rows
+from tests.integration.test_pipeline_basic import run_until_reconciled
+
+DATABASE = "pipe_upkeep"
+TARGET_BYTES = 64 * 1024 * 1024
+
+
+@pytest.fixture()
+def source(postgres_server: dict[str, str], tmp_path: Path):
+    admin_dsn = f"host={postgres_server['socket']} port={postgres_server['port']} user=postgres"
+    create_source(admin_dsn, DATABASE)
+    admin = psycopg.connect(f"{admin_dsn} dbname={DATABASE}", autocommit=True)
+    admin.execute("set synchronous_commit = on")
+    admin.execute(SEED_SQL)
+    yield admin, pipeline_config(DATABASE, tmp_path / "lake", chunk_size=250)
+    admin.close()
+    drop_source(admin_dsn, DATABASE)
+
+
+def staged_attempts(spark, path: str) -> set[str]:
+    return {r[0] for r in spark.read.format("delta").load(path).select("_cdc_attempt").distinct().collect()}
+
+
+def file_count(spark, path: str) -> int:
+    return len(spark.read.format("delta").load(path).inputFiles())
+
+
+def assert_mirrors_match(spark, pipeline: PostgresPipeline) -> None:
+    tables = PostgresPipeline(pipeline.config, pipeline.source).prepare()
+    for name, table in tables.items():
+        mirror = mirror_rows(spark, pipeline.lake.table(name).mirror, table)
+        expected = source_rows(pipeline.source, table)
+        differ = sorted(mirror ^ expected, key=str)
+        assert mirror == expected, f"{name}: {len(differ)} rows differ, e.g. {differ[:2]}"
+
+
+def test_upkeep_drops_finished_snapshots_compacts_and_the_stream_stays_exact(source, spark) -> None:
+    admin, config = source
+    pipeline = PostgresPipeline(config, config.sources[0])
+    tables = pipeline.prepare()
+    items = tables["public.items"]
+    first = {name: pipeline.snapshot(spark, t, [c.index for c in pipeline.plan(t).chunks], "t1").attempt
+             for name, t in tables.items()}  # fmt: skip
+    run_until_reconciled(pipeline, spark)
+    # small batches: each adds files to every mirror and changelog
+    recorded = None
+    for round_ in range(3):
+        admin.execute("update items set qty = %s where id %% 7 = %s", [round_, round_])
+        admin.execute("insert into pairs (region, code, amount) values (50, %s, 1)", [f"r{round_}"])
+        admin.execute("update docs set title = %s where title like %s", [f"r{round_}", f"t{round_ + 1}%"])
+        report = pipeline.stream_batch(spark, recorded, "small")
+        recorded = parse_lsn(str(report.offset["lsn"]))
+        pipeline.acknowledge(recorded)
+    # a re-read of chunk 0 that the stream has not reconciled yet: its staged rows must stay
+    waiting = pipeline.snapshot(spark, items, [0], "t2").attempt
+    paths = {name: pipeline.lake.table(name) for name in tables}
+    assert staged_attempts(spark, paths["public.items"].staging) == {first["public.items"], waiting}
+    before = {name: (file_count(spark, p.mirror), file_count(spark, p.changelog)) for name, p in paths.items()}
+    offsets = {name: last_applied_lsn(spark, p.changelog) for name, p in paths.items()}
+
+    results = {r.table: r for r in maintain_lake(spark, pipeline.lake, tables, TARGET_BYTES)}
+
+    assert staged_attempts(spark, paths["public.items"].staging) == {waiting}
+    for name in ("public.pairs", "public.docs"):
+        assert staged_attempts(spark, paths[name].staging) == set(), name
+        assert results[name].staging_files_dropped > 0, name
+    for name, p in paths.items():
+        mirror_files, changelog_files = before[name]
+        assert mirror_files > 2 and file_count(spark, p.mirror) < mirror_files, (name, mirror_files)
+        assert file_count(spark, p.changelog) < changelog_files, (name, changelog_files)
+        assert results[name].files_compacted > results[name].files_written > 0, results[name]
+        # the changelog's offset (which makes a retried batch append nothing twice) survives the upkeep commits
+        assert last_applied_lsn(spark, p.changelog) == offsets[name] is not None, name
+    assert_mirrors_match(spark, pipeline)
+
+    # the stream carries on from the compacted tables and closes the waiting window
+    admin.execute("update items set name = 'after upkeep' where id % 3 = 0")
+    admin.execute("delete from pairs where region = 50")
+    run_until_reconciled(pipeline, spark)
+    assert_mirrors_match(spark, pipeline)
+    finished = finished_attempts(window_log.read_events(spark, pipeline.lake.windows))
+    assert finished["public.items"] == {first["public.items"], waiting}
+    assert drop_attempts(spark, paths["public.items"].staging, finished["public.items"]) > 0
+    assert staged_attempts(spark, paths["public.items"].staging) == set()
+
+    # vacuum removes the dropped attempts' files from disk once they are older than the retention (0 here)
+    staging = Path(paths["public.items"].staging)
+    assert list(staging.glob(f"_cdc_attempt={first['public.items']}/*.parquet"))
+    assert vacuum(spark, str(staging), retention_hours=0) > 0
+    assert not list(staging.glob("_cdc_attempt=*/*.parquet"))
+    changelog = spark.read.format("delta").load(paths["public.items"].changelog)
+    assert changelog.where(F.col("_cdc_op") == "u").count() > 0  # the changelog itself is untouched
