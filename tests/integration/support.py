@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import psycopg
@@ -64,6 +66,22 @@ def create_source(admin_dsn: str, database: str) -> None:
     conn.execute(sql.SQL("create publication {} for table items, pairs, docs").format(sql.Identifier(database)))
     conn.execute("select pg_create_logical_replication_slot(%s, 'pgoutput')", [database])
     conn.close()
+
+
+@contextmanager
+def seeded_source(postgres_server: dict[str, str], database: str) -> Iterator[tuple[psycopg.Connection, str]]:
+    """A fresh source database with the test schema and ``SEED_SQL``, its slot and publication: yields an autocommit
+    administrator connection (``synchronous_commit = on``) and the administrator DSN; drops it all afterwards."""
+    admin_dsn = f"host={postgres_server['socket']} port={postgres_server['port']} user=postgres"
+    create_source(admin_dsn, database)
+    admin = psycopg.connect(f"{admin_dsn} dbname={database}", autocommit=True)
+    try:
+        admin.execute("set synchronous_commit = on")
+        admin.execute(SEED_SQL)
+        yield admin, admin_dsn
+    finally:
+        admin.close()
+        drop_source(admin_dsn, database)
 
 
 def drop_source(admin_dsn: str, database: str) -> None:

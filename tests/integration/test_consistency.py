@@ -7,14 +7,13 @@ import threading
 import time
 from pathlib import Path
 
-import psycopg
 import pytest
 from delta.tables import DeltaTable
 from pyspark.sql import functions as F
 
 from cdc_assets.lake.consistency import check_chunks
 from cdc_assets.lake.pipeline import PostgresPipeline
-from tests.integration.support import SEED_SQL, create_source, drop_source, pipeline_config
+from tests.integration.support import pipeline_config, seeded_source
 from tests.integration.test_pipeline_guarantees import Writer, catch_up, stream_once
 
 DATABASE = "pipe_checks"
@@ -70,15 +69,9 @@ def check_all(pipeline: PostgresPipeline, spark, table, chunks: int, recorded: i
 
 @pytest.fixture()
 def source(postgres_server: dict[str, str], tmp_path: Path):
-    admin_dsn = f"host={postgres_server['socket']} port={postgres_server['port']} user=postgres"
-    create_source(admin_dsn, DATABASE)
-    admin = psycopg.connect(f"{admin_dsn} dbname={DATABASE}", autocommit=True)
-    admin.execute("set synchronous_commit = on")
-    admin.execute(SEED_SQL)
-    admin.execute("delete from items where id = 100000")  # dense keys: the even split gives chunks that hold rows
-    yield admin_dsn, pipeline_config(DATABASE, tmp_path / "lake", chunk_size=500)
-    admin.close()
-    drop_source(admin_dsn, DATABASE)
+    with seeded_source(postgres_server, DATABASE) as (admin, admin_dsn):
+        admin.execute("delete from items where id = 100000")  # dense keys: the even split gives chunks that hold rows
+        yield admin_dsn, pipeline_config(DATABASE, tmp_path / "lake", chunk_size=500)
 
 
 def test_checks_find_drift_in_the_right_chunk_and_resnapshot_repairs_it(source, spark) -> None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import psycopg
 import pytest
 from pyspark.sql import functions as F
 
@@ -14,7 +13,7 @@ from cdc_assets.lake import windows as window_log
 from cdc_assets.lake.maintenance import drop_attempts, maintain_lake, vacuum
 from cdc_assets.lake.mirror import last_applied_lsn
 from cdc_assets.lake.pipeline import PostgresPipeline
-from tests.integration.support import SEED_SQL, create_source, drop_source, mirror_rows, pipeline_config, source_rows
+from tests.integration.support import mirror_rows, pipeline_config, seeded_source, source_rows
 from tests.integration.test_pipeline_basic import run_until_reconciled
 
 DATABASE = "pipe_upkeep"
@@ -23,14 +22,8 @@ TARGET_BYTES = 64 * 1024 * 1024
 
 @pytest.fixture()
 def source(postgres_server: dict[str, str], tmp_path: Path):
-    admin_dsn = f"host={postgres_server['socket']} port={postgres_server['port']} user=postgres"
-    create_source(admin_dsn, DATABASE)
-    admin = psycopg.connect(f"{admin_dsn} dbname={DATABASE}", autocommit=True)
-    admin.execute("set synchronous_commit = on")
-    admin.execute(SEED_SQL)
-    yield admin, pipeline_config(DATABASE, tmp_path / "lake", chunk_size=250)
-    admin.close()
-    drop_source(admin_dsn, DATABASE)
+    with seeded_source(postgres_server, DATABASE) as (admin, _):
+        yield admin, pipeline_config(DATABASE, tmp_path / "lake", chunk_size=250)
 
 
 def staged_attempts(spark, path: str) -> set[str]:

@@ -8,21 +8,15 @@ import psycopg
 import pytest
 
 from cdc_assets.lake.pipeline import PostgresPipeline
-from tests.integration.support import SEED_SQL, create_source, drop_source, mirror_rows, pipeline_config, source_rows
+from tests.integration.support import mirror_rows, pipeline_config, seeded_source, source_rows
 
 DATABASE = "pipe_basic"
 
 
 @pytest.fixture()
 def source(postgres_server: dict[str, str], tmp_path: Path):
-    admin_dsn = f"host={postgres_server['socket']} port={postgres_server['port']} user=postgres"
-    create_source(admin_dsn, DATABASE)
-    admin = psycopg.connect(f"{admin_dsn} dbname={DATABASE}", autocommit=True)
-    admin.execute("set synchronous_commit = on")
-    admin.execute(SEED_SQL)
-    yield admin, pipeline_config(DATABASE, tmp_path / "lake", chunk_size=250)
-    admin.close()
-    drop_source(admin_dsn, DATABASE)
+    with seeded_source(postgres_server, DATABASE) as (admin, _):
+        yield admin, pipeline_config(DATABASE, tmp_path / "lake", chunk_size=250)
 
 
 def run_until_reconciled(pipeline: PostgresPipeline, spark, rounds: int = 10) -> list:

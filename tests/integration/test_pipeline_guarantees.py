@@ -29,11 +29,9 @@ from cdc_assets.engine.lsn import parse_lsn
 from cdc_assets.lake.pipeline import PostgresPipeline
 from cdc_assets.postgres.stream import current_flush_lsn, slot_position
 from tests.integration.support import (
-    SEED_SQL,
-    create_source,
-    drop_source,
     mirror_rows,
     pipeline_config,
+    seeded_source,
     source_rows,
 )
 
@@ -43,14 +41,8 @@ DATABASE = "pipe_guarantees"
 
 @pytest.fixture()
 def source(postgres_server: dict[str, str], tmp_path: Path):
-    admin_dsn = f"host={postgres_server['socket']} port={postgres_server['port']} user=postgres"
-    create_source(admin_dsn, DATABASE)
-    admin = psycopg.connect(f"{admin_dsn} dbname={DATABASE}", autocommit=True)
-    admin.execute("set synchronous_commit = on")
-    admin.execute(SEED_SQL)
-    yield admin, admin_dsn, pipeline_config(DATABASE, tmp_path / "lake", chunk_size=400, max_changes=20000)
-    admin.close()
-    drop_source(admin_dsn, DATABASE)
+    with seeded_source(postgres_server, DATABASE) as (admin, admin_dsn):
+        yield admin, admin_dsn, pipeline_config(DATABASE, tmp_path / "lake", chunk_size=400, max_changes=20000)
 
 
 def stream_once(pipeline: PostgresPipeline, spark, recorded: int | None) -> tuple[int, object]:
