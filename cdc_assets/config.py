@@ -248,7 +248,7 @@ def _stream(raw: Any, where: str) -> StreamConfig:
     defaults = StreamConfig()
     values = {k: _positive_int(stream.get(k, getattr(defaults, k)), f"{where}.{k}") for k in positive}
     for key in zero_or_positive:
-        values[key] = _zero_or_positive_int(stream.get(key, getattr(defaults, key)), f"{where}.{key}")
+        values[key] = _positive_int(stream.get(key, getattr(defaults, key)), f"{where}.{key}", zero_is_off=True)
     return StreamConfig(**values)
 
 
@@ -319,17 +319,10 @@ def _identifier(value: Any, where: str) -> str:
     return value
 
 
-def _positive_int(value: Any, where: str) -> int:
+def _positive_int(value: Any, where: str, zero_is_off: bool = False) -> int:
     if isinstance(value, str) and value.isdigit():
         value = int(value)
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ConfigError(f"{where}: expected a positive integer, got {value!r}")
-    return value
-
-
-def _zero_or_positive_int(value: Any, where: str) -> int:
-    if isinstance(value, str) and value.isdigit():
-        value = int(value)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ConfigError(f"{where}: expected 0 (off) or a positive integer, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0 or (value == 0 and not zero_is_off):
+        expected = "0 (off) or a positive integer" if zero_is_off else "a positive integer"
+        raise ConfigError(f"{where}: expected {expected}, got {value!r}")
     return value
