@@ -19,7 +19,8 @@ run starts its own, see ``bench.freshness``):
    batches' phase seconds (read = peek + fetch + pgoutput decode + spill; changelog; merge; reconcile), CPU seconds and
    peak RSS of driver, JVM and Python workers. Checked afterwards: the mirror's row count, sum(id) and sum(amount)
    equal the source's.
-5. Upkeep: ``maintain_lake`` once (what a stream run does every ``stream.maintenance_seconds``): its seconds and the
+5. Upkeep: ``maintain_lake`` once (both steps, what a stream run does at most every ``stream.compact_seconds`` and
+   ``stream.vacuum_seconds``): its seconds and the
    mirror's and changelog's file counts before and after; the mirror's sums must not change.
 
 Output: results table, ratio ours/decode-limit, ``bench/out/stream-<utc>.json``, ``bench/out/stream_batches.png``
@@ -224,7 +225,7 @@ def run(args: argparse.Namespace, lake: Path) -> dict[str, Any]:
     if [str(v) for v in source_sums] != [str(v) for v in mirror_sums]:
         raise RuntimeError(f"mirror differs from source: {check}")
 
-    # 5. the lake upkeep a stream run does between batches (at most every stream.maintenance_seconds)
+    # 5. the lake upkeep a stream run does between batches (at most every stream.compact_seconds / vacuum_seconds)
     from cdc_assets.lake.maintenance import maintain_lake
 
     paths = pipeline.lake.table(table.qualified_name)

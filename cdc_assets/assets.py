@@ -37,6 +37,7 @@ from cdc_assets.config import SourceConfig
 from cdc_assets.engine.chunks import chunk_index, chunk_partition_key
 from cdc_assets.engine.faults import fault_point
 from cdc_assets.engine.lsn import format_lsn, parse_lsn
+from cdc_assets.lake.layout import UpkeepStep
 from cdc_assets.source import CdcSource, StreamReport
 
 if TYPE_CHECKING:
@@ -192,8 +193,13 @@ def build_stream_asset(source: SourceConfig, table_names: list[str]) -> AssetsDe
             fault_point("stream.after_offset_record")
             recorded = parse_lsn(report.offset["lsn"])
             pipeline.acknowledge(recorded)
-            if pipeline.lake.maintenance_due(source.stream.maintenance_seconds):
-                yield _maintain(context, pipeline, spark, source)
+            intervals: dict[UpkeepStep, int] = {
+                "compact": source.stream.compact_seconds,
+                "vacuum": source.stream.vacuum_seconds,
+            }
+            due = [step for step, interval in intervals.items() if pipeline.lake.upkeep_due(step, interval)]
+            if due:
+                yield _maintain(context, pipeline, spark, source, due)
             if not _next_batch_due(context, pipeline, source, deadline):
                 return
 
@@ -201,20 +207,27 @@ def build_stream_asset(source: SourceConfig, table_names: list[str]) -> AssetsDe
 
 
 def _maintain(
-    context: AssetExecutionContext, pipeline: CdcSource, spark: "SparkSession", source: SourceConfig
+    context: AssetExecutionContext,
+    pipeline: CdcSource,
+    spark: "SparkSession",
+    source: SourceConfig,
+    steps: list[UpkeepStep],
 ) -> AssetObservation:
     """Lake upkeep between batches (``cdc_assets.lake.maintenance``), recorded as an observation of the stream."""
     from cdc_assets.lake.maintenance import maintain_lake  # Spark imports stay out of definition loading
 
     started = time.monotonic()
-    results = maintain_lake(spark, pipeline.lake, pipeline.tables, source.stream.compact_target_mb * 1024 * 1024)
-    pipeline.lake.mark_maintained()
+    target_bytes = source.stream.compact_target_mb * 1024 * 1024
+    results = maintain_lake(spark, pipeline.lake, pipeline.tables, target_bytes, steps)
+    for step in steps:
+        pipeline.lake.mark_upkeep_done(step)
     seconds = round(time.monotonic() - started, 3)
-    context.log.info(f"lake upkeep of source {source.name!r} took {seconds} s")
+    context.log.info(f"lake upkeep ({', '.join(steps)}) of source {source.name!r} took {seconds} s")
     return AssetObservation(
         asset_key=stream_asset_key(source.name),
         metadata={
-            "maintenance_seconds": seconds,
+            "upkeep_steps": ", ".join(steps),
+            "upkeep_seconds": seconds,
             "files_compacted": sum(r.files_compacted for r in results),
             "files_vacuumed": sum(r.files_vacuumed for r in results),
             "staging_files_dropped": sum(r.staging_files_dropped for r in results),

@@ -92,9 +92,11 @@ class StreamConfig:
     run_seconds: int = 0
     # how often a long-lived stream run asks the source whether a batch is due
     poll_seconds: int = 1
-    # lake upkeep between stream batches (compaction, vacuum, staged rows of finished snapshots): at most this often
-    # (0: never; then run it yourself)
-    maintenance_seconds: int = 3600
+    # lake upkeep between stream batches (cdc_assets.lake.maintenance), each step at most this often (0: never; then
+    # run it yourself): staged rows of finished snapshots dropped and tables compacted; files no longer referenced
+    # deleted from storage (VACUUM)
+    compact_seconds: int = 3600
+    vacuum_seconds: int = 86400
     # compaction packs files smaller than this into files of about this size
     compact_target_mb: int = 64
 
@@ -243,7 +245,7 @@ def _stream(raw: Any, where: str) -> StreamConfig:
     positive = {
         "interval_seconds", "max_changes", "max_lag_bytes", "spill_rows", "poll_seconds", "compact_target_mb",
     }  # fmt: skip
-    zero_or_positive = {"run_seconds", "maintenance_seconds"}
+    zero_or_positive = {"run_seconds", "compact_seconds", "vacuum_seconds"}
     stream = _mapping(raw, where, positive | zero_or_positive)
     defaults = StreamConfig()
     values = {k: _positive_int(stream.get(k, getattr(defaults, k)), f"{where}.{k}") for k in positive}

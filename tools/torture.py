@@ -27,8 +27,8 @@ deterministic, so a seed fixes the workload's recipe, not its exact interleaving
    processes snapshot all chunks in parallel (groups of 1-3 chunks per run, then random re-snapshots while the
    workload lasts) while one stream process runs batches back to back: ``stream_batch``, the harness records the
    offset, then the worker acknowledges it (the slot moves, as the Dagster stream asset does); after every 4th
-   batch it runs the lake upkeep (``maintain_lake``: staged attempts dropped, compaction, vacuum; not with
-   ``--broken-reconciliation``). Every run builds a
+   batch it runs the lake upkeep (``maintain_lake``: staged attempts dropped, compaction; after every 8th also
+   vacuum; not with ``--broken-reconciliation``). Every run builds a
    fresh ``CdcSource`` (``open_source``) and calls ``prepare()``, as a Dagster run would.
 4. **Faults** (unless ``--no-faults``): workers run with ``CDC_FAULTS`` / ``CDC_FAULT_PROBABILITY`` /
    ``CDC_FAULT_SEED`` (snapshot: ``snapshot.before_window_record``; stream: ``stream.after_changelog``,
@@ -120,9 +120,9 @@ SNAPSHOT_POINTS = ("snapshot.before_window_record",)
 STREAM_POINTS = (
     "stream.after_changelog", "stream.after_lake_commit", "stream.after_offset_record", "stream.during_maintenance",
 )  # fmt: skip
-MAINTAIN_EVERY = (
-    4  # the stream worker runs the lake upkeep after every 4th batch (production: stream.maintenance_seconds)
-)
+# the stream worker compacts after every 4th batch and also vacuums after every 8th (production: at most every
+# stream.compact_seconds and stream.vacuum_seconds)
+COMPACT_EVERY, VACUUM_EVERY = 4, 8
 TASK_ATTEMPTS = 8
 WORKER_MASTER = "local[2,4]"  # 2 cores, a failed task is retried up to 4 times (as on a cluster)
 # C1-only JIT and the serial collector: short-lived drivers on a small machine start and warm up about twice as fast
@@ -892,8 +892,8 @@ def worker_main(role: str, result_fd: int, broken: bool, patched: bool) -> int:
                     return 0
                 traced("stream.after_offset_record")  # offset recorded by the harness; now the slot may follow
                 pipeline.acknowledge(lsn)
-                if task.get("maintain"):  # between batches, as the Dagster stream run does
-                    maintenance_module.maintain_lake(spark, pipeline.lake, tables, 64 * 1024 * 1024)
+                if task.get("upkeep"):  # between batches, as the Dagster stream run does
+                    maintenance_module.maintain_lake(spark, pipeline.lake, tables, 64 * 1024 * 1024, task["upkeep"])
                 _emit(channel, {"ok": True, "advanced": lsn})
             else:
                 raise ValueError(f"unknown task {task['op']!r}")
@@ -1202,6 +1202,14 @@ class SeedRun:
         return None
 
     # -- pipeline loops ----------------------------------------------------------------------------------------
+    def upkeep_steps(self) -> list[str]:
+        """The upkeep steps after the batch about to run; none in a run that must fail on its broken rule (it
+        gains nothing from them, and they cost it about a minute per call)."""
+        if self.options.broken:
+            return []
+        due = {"compact": COMPACT_EVERY, "vacuum": VACUUM_EVERY}
+        return [step for step, every in due.items() if self.batches % every == every - 1]
+
     def stream_loop(self) -> None:
         worker = self.pool.stream
         started_catch_up: float | None = None
@@ -1215,8 +1223,7 @@ class SeedRun:
             result = self.run_task(
                 worker,
                 {"op": "stream", "source": self.spec, "recorded": self.recorded, "run": f"b{self.batches}",
-                 # a run that must fail on its broken rule gains nothing from the upkeep (about a minute per call)
-                 "maintain": not self.options.broken and self.batches % MAINTAIN_EVERY == MAINTAIN_EVERY - 1},
+                 "upkeep": self.upkeep_steps()},
                 record,
             )  # fmt: skip
             self.batches += 1

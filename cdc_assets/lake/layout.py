@@ -7,8 +7,9 @@ Contract (``<lake_root>/<source>/``):
 - ``_cdc/waiting/<schema>.<table>@<chunk>.hw``: one small file per staged, not yet reconciled chunk holding its
   high watermark, so the streaming sensor can see that a window may close without starting Spark. Markers are
   hints: the window log is the truth, and the stream batch rewrites the markers from it.
-- ``_cdc/maintained``: an empty file whose modification time is the end of the last lake upkeep
-  (``cdc_assets.lake.maintenance``).
+- ``_cdc/upkeep/<step>``: empty files whose modification times are the ends of the last lake upkeep steps
+  (``cdc_assets.lake.maintenance``): ``compact`` (staged attempts dropped, tables compacted) and ``vacuum``. The clock
+  of a step starts when it is first asked whether the step is due: a new source's first batches pay for no upkeep.
 - ``_cdc/spill/<batch>/``: a stream batch's decoded changes (Parquet), removed after the batch.
 The plan, marker and spill folders use the local file system API: the lake root must be a local or mounted path.
 """
@@ -20,8 +21,11 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 from cdc_assets.engine.chunks import ChunkPlan
+
+UpkeepStep = Literal["compact", "vacuum"]
 
 
 @dataclass(frozen=True)
@@ -48,19 +52,21 @@ class SourceLake:
         return self.control / "spill" / batch_id
 
     # -- upkeep --------------------------------------------------------------------------------------------
-    def maintenance_due(self, interval_seconds: int, now: float | None = None) -> bool:
-        """Whether ``interval_seconds`` have passed since the last upkeep (or none ran); never when 0."""
+    def upkeep_due(self, step: UpkeepStep, interval_seconds: int, now: float | None = None) -> bool:
+        """Whether ``interval_seconds`` have passed since ``step`` last ran; never when 0. Asked for the first
+        time, it starts the step's clock (writes the marker) and answers no."""
         if interval_seconds <= 0:
             return False
-        marker = self.control / "maintained"
+        marker = self.control / "upkeep" / step
         try:
             last = marker.stat().st_mtime
         except FileNotFoundError:
-            return True
+            self.mark_upkeep_done(step)
+            return False
         return (time.time() if now is None else now) - last >= interval_seconds
 
-    def mark_maintained(self) -> None:
-        marker = self.control / "maintained"
+    def mark_upkeep_done(self, step: UpkeepStep) -> None:
+        marker = self.control / "upkeep" / step
         marker.parent.mkdir(parents=True, exist_ok=True)
         marker.touch()
 

@@ -16,6 +16,7 @@ from pyspark.sql import types as T
 
 from cdc_assets.engine.watermark import LowWatermark
 from cdc_assets.engine.windows import ChunkWindow, WindowEvent
+from cdc_assets.lake.delta_tables import is_missing_table
 from cdc_assets.lake.retry import commit_with_retry
 
 SCHEMA = T.StructType(
@@ -61,13 +62,12 @@ def record(
 
 
 def read_events(spark: SparkSession, path: str) -> list[WindowEvent]:
-    """Every window event; none when the log does not exist yet. The log is read, not probed with
-    ``DeltaTable.isDeltaTable``: that answers from a cached ``DeltaLog`` and, in a long-lived session that once
-    looked while another process was creating the log, keeps answering False (found by tools/torture.py)."""
+    """Every window event; none when the log does not exist yet (read, not probed: see
+    ``cdc_assets.lake.delta_tables``)."""
     try:
         rows = spark.read.format("delta").load(path).collect()
     except AnalysisException as error:
-        if error.getCondition() in ("PATH_NOT_FOUND", "DELTA_TABLE_NOT_FOUND"):
+        if is_missing_table(error):
             return []
         raise
     events = []

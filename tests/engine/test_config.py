@@ -64,10 +64,11 @@ def with_stream(stream: dict) -> dict:
 
 def test_stream_upkeep_settings() -> None:
     default = parse(BASE).source("demo").stream
-    assert (default.maintenance_seconds, default.compact_target_mb) == (3600, 64)
-    off = parse(with_stream({"maintenance_seconds": 0, "run_seconds": 0})).source("demo").stream
-    assert (off.maintenance_seconds, off.run_seconds) == (0, 0)
-    with pytest.raises(ConfigError, match=r"stream\.maintenance_seconds: expected 0 \(off\) or a positive integer"):
-        parse(with_stream({"maintenance_seconds": -1}))
+    assert (default.compact_seconds, default.vacuum_seconds, default.compact_target_mb) == (3600, 86400, 64)
+    off = parse(with_stream({"compact_seconds": 0, "vacuum_seconds": 0, "run_seconds": 0})).source("demo").stream
+    assert (off.compact_seconds, off.vacuum_seconds, off.run_seconds) == (0, 0, 0)
+    for key in ("compact_seconds", "vacuum_seconds"):
+        with pytest.raises(ConfigError, match=rf"stream\.{key}: expected 0 \(off\) or a positive integer"):
+            parse(with_stream({key: -1}))
     with pytest.raises(ConfigError, match=r"stream\.compact_target_mb: expected a positive integer, got 0"):
         parse(with_stream({"compact_target_mb": 0}))

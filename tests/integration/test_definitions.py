@@ -92,6 +92,11 @@ def test_stream_asset_records_offset_then_advances_slot(config_path, spark) -> N
         admin.execute("set synchronous_commit = on")
         admin.execute("insert into pairs values (1, 'a', 1, 'x'), (2, 'b', 2, 'y')")
         before, _ = slot_position(admin, DATABASE)
+    # the compaction clock ran out an hour ago; the vacuum clock has not started (it starts now, nothing runs)
+    lake = SourceLake(path.parent / "lake", "defs")
+    lake.mark_upkeep_done("compact")
+    an_hour_ago = time.time() - 3601
+    os.utime(lake.control / "upkeep" / "compact", (an_hour_ago, an_hour_ago))
     defs = build_definitions(path)
     stream_asset = next(a for a in defs.assets if stream_asset_key("defs") in a.keys)
     instance = DagsterInstance.ephemeral()
@@ -107,15 +112,17 @@ def test_stream_asset_records_offset_then_advances_slot(config_path, spark) -> N
     assert after == recorded  # the slot followed the recorded offset, not further
     rows = spark.read.format("delta").load(str(path.parent / "lake" / "defs" / "public.pairs" / "mirror"))
     assert rows.count() == 2
-    # the first batch of a lake never maintained is followed by the upkeep, recorded as an observation
+    # the batch is followed by the due upkeep step, recorded as an observation of the stream
     upkeep = [
         event.event_specific_data.asset_observation.metadata
         for event in result.all_events
         if event.event_type_value == "ASSET_OBSERVATION"
         and event.event_specific_data.asset_observation.asset_key == stream_asset_key("defs")
     ]
-    assert len(upkeep) == 1 and {"maintenance_seconds", "files_compacted", "files_vacuumed"} <= set(upkeep[0])
-    assert not SourceLake(path.parent / "lake", "defs").maintenance_due(3600)
+    assert len(upkeep) == 1 and {"upkeep_seconds", "files_compacted", "staging_files_dropped"} <= set(upkeep[0])
+    assert upkeep[0]["upkeep_steps"].value == "compact"
+    assert not lake.upkeep_due("compact", 3600)  # done: the clock starts again
+    assert (lake.control / "upkeep" / "vacuum").exists() and not lake.upkeep_due("vacuum", 86400)
 
 
 def test_change_offset_validation_names_field_and_range() -> None:

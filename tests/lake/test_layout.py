@@ -1,4 +1,4 @@
-"""The lake layout's upkeep marker (no Spark needed)."""
+"""The lake layout's upkeep markers (no Spark needed)."""
 
 from __future__ import annotations
 
@@ -9,14 +9,24 @@ from pathlib import Path
 from cdc_assets.lake.layout import SourceLake
 
 
-def test_upkeep_is_due_first_then_after_the_interval(tmp_path: Path) -> None:
+def age(marker: Path, seconds: float) -> None:
+    then = time.time() - seconds
+    os.utime(marker, (then, then))
+
+
+def test_upkeep_clock_starts_on_first_sight_then_the_step_is_due_after_its_interval(tmp_path: Path) -> None:
     lake = SourceLake(tmp_path, "src")
-    assert lake.maintenance_due(3600)  # never maintained
-    assert not lake.maintenance_due(0)  # 0 turns it off
-    lake.mark_maintained()
-    assert not lake.maintenance_due(3600)
-    marker = tmp_path / "src" / "_cdc" / "maintained"
-    an_hour_ago = time.time() - 3601
-    os.utime(marker, (an_hour_ago, an_hour_ago))
-    assert lake.maintenance_due(3600)
-    assert not lake.maintenance_due(7200)
+    assert not lake.upkeep_due("compact", 0)  # 0 turns it off, and starts no clock
+    assert not (tmp_path / "src" / "_cdc" / "upkeep" / "compact").exists()
+    assert not lake.upkeep_due("compact", 3600)  # first sight: the clock starts now
+    marker = tmp_path / "src" / "_cdc" / "upkeep" / "compact"
+    assert marker.exists()
+    age(marker, 3601)
+    assert lake.upkeep_due("compact", 3600)
+    assert not lake.upkeep_due("compact", 7200)
+    assert not lake.upkeep_due("vacuum", 3600)  # each step has its own clock
+    lake.mark_upkeep_done("compact")
+    assert not lake.upkeep_due("compact", 3600)
+    age(tmp_path / "src" / "_cdc" / "upkeep" / "vacuum", 86401)
+    assert lake.upkeep_due("vacuum", 86400)
+    assert not lake.upkeep_due("compact", 3600)
