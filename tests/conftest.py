@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+from tests.integration.support import PG_PORT, PG_SOCKET
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -19,10 +20,7 @@ def postgres_server() -> Iterator[dict[str, str]]:
     pg = str(ROOT / "scripts" / "pg.sh")
     was_running = subprocess.run([pg, "status"], capture_output=True).returncode == 0
     subprocess.run([pg, "start"], check=True, capture_output=True, text=True)
-    yield {
-        "socket": os.environ.get("CDC_PG_SOCKET", str(ROOT / ".state" / "pg" / "sock")),
-        "port": os.environ.get("CDC_PG_PORT", "54329"),
-    }
+    yield {"socket": PG_SOCKET, "port": str(PG_PORT)}
     if not was_running:
         subprocess.run([pg, "stop"], check=True, capture_output=True, text=True)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -15,7 +16,11 @@ from cdc_assets.engine.pg_values import UNREPRESENTABLE_COLUMN, copy_query_to_ar
 from cdc_assets.postgres.catalog import CapturedTable
 from cdc_assets.postgres.connection import connect
 
+ROOT = Path(__file__).resolve().parents[2]
 READER_PASSWORD = "rd-7Qx"
+# the cluster scripts/pg.sh starts (its environment: CDC_PG_PORT, CDC_PG_STATE; CDC_PG_SOCKET overrides the socket)
+PG_PORT = int(os.environ.get("CDC_PG_PORT", "54329"))
+PG_SOCKET = os.environ.get("CDC_PG_SOCKET", str(Path(os.environ.get("CDC_PG_STATE", ROOT / ".state" / "pg")) / "sock"))
 
 SCHEMA_SQL = """
 create type mood as enum ('sad', 'ok', 'happy');
@@ -96,7 +101,7 @@ def pipeline_config(database: str, lake_root: Path, chunk_size: int = 400, max_c
     source = SourceConfig(
         name=database,
         kind="postgres",
-        connection=PostgresConnection("127.0.0.1", 54329, database, f"{database}_reader", Secret(READER_PASSWORD)),
+        connection=PostgresConnection("127.0.0.1", PG_PORT, database, f"{database}_reader", Secret(READER_PASSWORD)),
         slot=database,
         publication=database,
         startup_mode="initial",

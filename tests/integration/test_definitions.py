@@ -20,7 +20,7 @@ from cdc_assets.engine.lsn import parse_lsn
 from cdc_assets.lake.layout import SourceLake
 from cdc_assets.offsets import OffsetError, validate_postgres_offset
 from cdc_assets.postgres.stream import slot_position
-from tests.integration.support import READER_PASSWORD, create_source, drop_source
+from tests.integration.support import PG_PORT, READER_PASSWORD, create_source, drop_source
 
 DATABASE = "pipe_defs"
 ROOT = Path(__file__).resolve().parents[2]
@@ -31,7 +31,7 @@ spark: {{master: "local[2]"}}
 sources:
   - name: defs
     kind: postgres
-    connection: {{host: 127.0.0.1, port: 54329, dbname: pipe_defs, user: pipe_defs_reader, password: "${{DEFS_PW}}"}}
+    connection: {{host: 127.0.0.1, port: {port}, dbname: pipe_defs, user: pipe_defs_reader, password: "${{DEFS_PW}}"}}
     slot: pipe_defs
     publication: pipe_defs
     chunk_size: 100
@@ -46,7 +46,7 @@ def config_path(postgres_server: dict[str, str], tmp_path_factory: pytest.TempPa
     create_source(admin_dsn, DATABASE)
     directory = tmp_path_factory.mktemp("defs")
     path = directory / "cdc.yaml"
-    path.write_text(CONFIG.format(lake=directory / "lake"))
+    path.write_text(CONFIG.format(lake=directory / "lake", port=PG_PORT))
     os.environ["DEFS_PW"] = READER_PASSWORD
     yield path, admin_dsn
     drop_source(admin_dsn, DATABASE)

@@ -5,11 +5,9 @@ converter."""
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Iterator
 from datetime import UTC, date, datetime
 from decimal import Decimal
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -27,15 +25,13 @@ from cdc_assets.engine.pg_values import (
     copy_query_to_arrow,
     decode_text_table,
 )
+from tests.integration.support import PG_PORT, PG_SOCKET
 
-ROOT = Path(__file__).resolve().parents[2]
-SOCKET = os.environ.get("CDC_PG_SOCKET", str(ROOT / ".state" / "pg" / "sock"))
-PORT = os.environ.get("CDC_PG_PORT", "54329")
 DATABASE = "codec_test"
 
 
 def _dsn(dbname: str) -> str:
-    return f"host={SOCKET} port={PORT} user=postgres dbname={dbname}"
+    return f"host={PG_SOCKET} port={PG_PORT} user=postgres dbname={dbname}"
 
 
 @pytest.fixture(scope="module")
@@ -487,12 +483,8 @@ def test_domains_decode_as_their_base_type(pg: psycopg.Connection) -> None:
     }
 
 
-def test_session_settings_survive_a_rollback() -> None:
-    try:
-        conn = psycopg.connect(_dsn("postgres"))
-    except psycopg.OperationalError as error:
-        pytest.skip(f"PostgreSQL is not reachable over {SOCKET}: {error}")
-    with conn:
+def test_session_settings_survive_a_rollback(postgres_server: dict[str, str]) -> None:
+    with psycopg.connect(_dsn("postgres")) as conn:
         apply_session_settings(conn)
         conn.rollback()
         shown = conn.execute(

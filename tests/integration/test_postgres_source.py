@@ -20,6 +20,7 @@ from cdc_assets.postgres.catalog import (
 )
 from cdc_assets.postgres.connection import SourceError, connect
 from cdc_assets.postgres.snapshot import chunk_select, plan_chunks, take_high_watermark, take_low_watermark
+from tests.integration.support import PG_PORT
 
 DATABASE = "source_test"
 PASSWORD = "pw-Z9q"
@@ -67,7 +68,7 @@ def source_config(user: str = "cdc_reader", **overrides: object) -> SourceConfig
     fields: dict[str, object] = {
         "name": "t",
         "kind": "postgres",
-        "connection": PostgresConnection("127.0.0.1", 54329, DATABASE, user, Secret(PASSWORD)),
+        "connection": PostgresConnection("127.0.0.1", PG_PORT, DATABASE, user, Secret(PASSWORD)),
         "slot": "admin_slot",
         "publication": "admin_pub",
         "startup_mode": "initial",
@@ -214,7 +215,7 @@ def test_unreachable_database_and_bad_password_never_leak_secret() -> None:
     with pytest.raises(SourceError, match=r"cannot connect to postgresql://cdc_reader@127\.0\.0\.1:1/") as info:
         connect(unreachable, "t")
     assert PASSWORD not in str(info.value)
-    wrong = PostgresConnection("127.0.0.1", 54329, DATABASE, "cdc_reader", Secret("wrong-" + PASSWORD))
+    wrong = PostgresConnection("127.0.0.1", PG_PORT, DATABASE, "cdc_reader", Secret("wrong-" + PASSWORD))
     with pytest.raises(SourceError, match="password authentication failed") as info:
         connect(wrong, "t")
     assert PASSWORD not in str(info.value)
