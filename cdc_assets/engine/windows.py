@@ -8,13 +8,18 @@ Contract:
   reconciled. An older attempt is superseded by a newer one (a re-materialized partition) and never applied.
 - ``finished_attempts(events)``: per table, the staged attempts none of whose windows is open (each was reconciled
   or superseded): their staged rows are never read again, so staging may drop them.
+- ``unrecorded_attempts(events, staged, written_before)``: of ``staged`` (per table, each staged attempt with the
+  time its newest staged file was written), the attempts no window event names and whose newest file was written
+  before ``written_before``: left by a snapshot run that died between its staging write and its window record (its
+  rerun staged a new attempt). A run records its windows seconds after its staging write, so with a
+  ``written_before`` far enough back (the upkeep: one day) no window will name them, and staging may drop them.
 - ``closable(windows, applied_lsn)``: the open windows whose ``hw`` the stream has passed (``hw <= applied_lsn``):
   every transaction visible to their reads is in the lake, so they can be reconciled.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from datetime import datetime
 
@@ -74,3 +79,15 @@ def finished_attempts(events: Iterable[WindowEvent]) -> dict[str, set[str]]:
         if item.event == STAGED and key not in still_open:
             finished.setdefault(item.window.table, set()).add(item.window.attempt)
     return finished
+
+
+def unrecorded_attempts(
+    events: Iterable[WindowEvent], staged: Mapping[str, Mapping[str, float]], written_before: float
+) -> dict[str, set[str]]:
+    recorded = {(item.window.table, item.window.attempt) for item in events}
+    unrecorded: dict[str, set[str]] = {}
+    for table, attempts in staged.items():
+        for attempt, newest in attempts.items():
+            if (table, attempt) not in recorded and newest < written_before:
+                unrecorded.setdefault(table, set()).add(attempt)
+    return unrecorded

@@ -5,6 +5,8 @@ Contract:
 - ``drop_attempts(spark, staging_path, attempts)``: deletes the staged rows of ``attempts`` (finished attempts, see
   ``cdc_assets.engine.windows.finished_attempts``). Staging is partitioned by attempt, so Delta removes whole files
   and rewrites nothing; a delete that matches no file commits nothing. Returns the number of files removed.
+- ``staged_attempt_times(spark, staging_path)``: each staged attempt with the time (epoch seconds) its newest file
+  was written (Delta's file metadata; the rows' data columns are not read).
 - ``compact(spark, path, target_bytes)``: Delta ``OPTIMIZE`` (bin-packing) of the files smaller than
   ``target_bytes`` into files of about ``target_bytes``; files whose deletion vectors hide more than Delta's
   ``optimize.maxDeletedRowsRatio`` of their rows are rewritten too. The commit has ``dataChange=false``: no Change
@@ -15,10 +17,11 @@ Contract:
   progress are safe. Returns the number of files deleted. It costs a few Spark jobs (about 3-4 s per table on 2
   cores, even with nothing to delete), and files only become deletable days after they were removed, so it is a
   separate, rarer step.
-- ``maintain_lake(spark, lake, tables, target_bytes, steps)`` does the ``steps`` for a source: ``"compact"``: for
-  each table, drop the staged rows of finished attempts and compact the mirror and the changelog, then compact the
-  window log; ``"vacuum"``: vacuum each table's staging, mirror and changelog, then the window log. Returns one
-  ``TableUpkeep`` per table.
+- ``maintain_lake(spark, lake, tables, target_bytes, steps, unrecorded_grace)`` does the ``steps`` for a source:
+  ``"compact"``: for each table, drop the staged rows of finished attempts and of attempts no window names that
+  were written more than ``unrecorded_grace`` ago (one day; ``cdc_assets.engine.windows.unrecorded_attempts``), and
+  compact the mirror and the changelog, then compact the window log; ``"vacuum"``: vacuum each table's staging,
+  mirror and changelog, then the window log. Returns one ``TableUpkeep`` per table.
 The caller runs these from the only writer of the mirror and the changelog (the stream run), between batches, so
 they never conflict with a merge; snapshot runs only append to staging, which a partition delete of other attempts
 does not conflict with (and ``commit_with_retry`` retries if it does).
@@ -26,16 +29,18 @@ does not conflict with (and ``commit_with_retry`` retries if it does).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Collection, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from datetime import timedelta
 
 from delta.tables import DeltaTable
 from pyspark.sql import SparkSession
 from pyspark.sql import functions as F
 
 from cdc_assets.engine.faults import fault_point
-from cdc_assets.engine.windows import finished_attempts
+from cdc_assets.engine.windows import finished_attempts, unrecorded_attempts
 from cdc_assets.lake import windows as window_log
 from cdc_assets.lake.delta_tables import table_or_none
 from cdc_assets.lake.layout import SourceLake, UpkeepStep
@@ -46,6 +51,9 @@ from cdc_assets.lake.retry import commit_with_retry
 # number, not one derived from the SparkContext, so the upkeep also runs over Spark Connect.
 LISTING_PARALLELISM = "spark.sql.sources.parallelPartitionDiscovery.parallelism"
 LISTING_TASKS = "8"
+# a snapshot run records its windows seconds after its staging write; an attempt no window names a day later was
+# left by a run that died in between
+UNRECORDED_GRACE = timedelta(days=1)
 OPTIMIZE_FILE_SIZE_CONFS = (
     "spark.databricks.delta.optimize.minFileSize",
     "spark.databricks.delta.optimize.maxFileSize",
@@ -69,6 +77,14 @@ def drop_attempts(spark: SparkSession, staging_path: str, attempts: Iterable[str
     if table.history(1).select("version").first()[0] == version:
         return 0
     return int(_last_metrics(table, "DELETE").get("numRemovedFiles", 0))
+
+
+def staged_attempt_times(spark: SparkSession, staging_path: str) -> dict[str, float]:
+    if table_or_none(spark, staging_path) is None:
+        return {}
+    files = spark.read.format("delta").load(staging_path).select("_cdc_attempt", "_metadata.file_modification_time")
+    newest = files.groupBy("_cdc_attempt").agg(F.max("file_modification_time").cast("double").alias("newest"))
+    return {r["_cdc_attempt"]: r["newest"] for r in newest.collect()}
 
 
 @contextmanager
@@ -111,6 +127,7 @@ def vacuum(spark: SparkSession, path: str, retention_hours: float | None = None)
 @dataclass(frozen=True)
 class TableUpkeep:
     table: str
+    unrecorded_attempts_dropped: int
     staging_files_dropped: int
     files_compacted: int
     files_written: int
@@ -119,23 +136,34 @@ class TableUpkeep:
 
 def maintain_lake(
     spark: SparkSession, lake: SourceLake, tables: Iterable[str], target_bytes: int,
-    steps: Collection[UpkeepStep] = ("compact", "vacuum"),
+    steps: Collection[UpkeepStep] = ("compact", "vacuum"), unrecorded_grace: timedelta = UNRECORDED_GRACE,
 ) -> list[TableUpkeep]:  # fmt: skip
     compacting, vacuuming = "compact" in steps, "vacuum" in steps
-    finished = finished_attempts(window_log.read_events(spark, lake.windows)) if compacting else {}
+    tables = sorted(tables)
+    finished: dict[str, set[str]] = {}
+    unrecorded: dict[str, set[str]] = {}
+    if compacting:
+        # an attempt no window names is dropped only when its newest file is older than the grace: a run that is
+        # alive records its windows seconds after its staging write (and reconcile refuses a window whose staged
+        # rows are missing, so a late record cannot make rows vanish from the mirror)
+        staged = {name: staged_attempt_times(spark, lake.table(name).staging) for name in tables}
+        events = window_log.read_events(spark, lake.windows)
+        finished = finished_attempts(events)
+        unrecorded = unrecorded_attempts(events, staged, time.time() - unrecorded_grace.total_seconds())
     results = []
-    for name in sorted(tables):
+    for name in tables:
         paths = lake.table(name)
         dropped, removed, written, vacuumed = 0, 0, 0, 0
         if compacting:
-            dropped = drop_attempts(spark, paths.staging, finished.get(name, ()))
+            attempts = finished.get(name, set()) | unrecorded.get(name, set())
+            dropped = drop_attempts(spark, paths.staging, attempts)
             fault_point("stream.during_maintenance")
             for path in (paths.mirror, paths.changelog):
                 files_removed, files_added = compact(spark, path, target_bytes)
                 removed, written = removed + files_removed, written + files_added
         if vacuuming:
             vacuumed = sum(vacuum(spark, path) for path in (paths.staging, paths.mirror, paths.changelog))
-        results.append(TableUpkeep(name, dropped, removed, written, vacuumed))
+        results.append(TableUpkeep(name, len(unrecorded.get(name, ())), dropped, removed, written, vacuumed))
     if compacting:
         compact(spark, lake.windows, target_bytes)
     if vacuuming:

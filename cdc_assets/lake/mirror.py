@@ -24,6 +24,9 @@ Contract:
   key since the window opened: no change carried them, so they have not changed since the read.
   A chunk whose key range the mirror holds no row of is reconciled by an append of its kept rows (the MERGE would
   only insert there); a rerun after a crash finds the rows and MERGEs, which changes nothing.
+  Before writing, it counts each window's staged rows: a window whose rows in staging differ from the count it
+  recorded (they were deleted: by hand, or by the upkeep after a record came more than a day late) raises
+  ``StagedRowsMismatch`` and writes nothing. Reconciling it would delete the chunk's mirror rows the read saw.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ from pyspark.sql import functions as F
 from pyspark.sql import types as T
 from pyspark.sql.window import Window
 
-from cdc_assets.engine.chunks import Chunk
+from cdc_assets.engine.chunks import Chunk, chunk_partition_key
 from cdc_assets.engine.lsn import parse_lsn
 from cdc_assets.engine.pg_values import UNREPRESENTABLE_COLUMN, PgColumn, spark_schema
 from cdc_assets.engine.windows import ChunkWindow
@@ -374,6 +377,10 @@ def _fill_from_mirror(
 # Reconciliation
 
 
+class StagedRowsMismatch(RuntimeError):
+    """A window's staged rows are not what it recorded; reconciling it would lose mirror rows."""
+
+
 @dataclass(frozen=True)
 class ReconcileResult:
     table: str
@@ -416,6 +423,23 @@ def _unsettled(lw_xmin: Column, lw_xmax: Column, lw_xip: Column) -> Column:
     return ~settled
 
 
+def check_staged_rows(spark: SparkSession, staging_path: str, windows: Sequence[ChunkWindow]) -> None:
+    attempts = sorted({w.attempt for w in windows})
+    staged = spark.read.format("delta").load(staging_path).where(F.col("_cdc_attempt").isin(attempts))
+    counts = {
+        (r["_cdc_attempt"], r["_cdc_chunk"]): r["count"]
+        for r in staged.groupBy("_cdc_attempt", "_cdc_chunk").count().collect()
+    }
+    for w in windows:
+        found = counts.get((w.attempt, w.chunk), 0)
+        if found != w.rows:
+            raise StagedRowsMismatch(
+                f"table {w.table}: chunk {w.chunk}: attempt {w.attempt} recorded {w.rows} staged rows but staging "
+                f"holds {found}: its staged rows were deleted; nothing was written. Re-materialize partition "
+                f"{chunk_partition_key(w.chunk)} of the table's asset: the new attempt supersedes this one"
+            )
+
+
 def reconcile(
     spark: SparkSession,
     mirror_path: str,
@@ -429,6 +453,7 @@ def reconcile(
     """Reconcile the closable ``windows`` of one table (see module docstring)."""
     if not windows:
         return []
+    check_staged_rows(spark, staging_path, windows)
     mirror = ensure_mirror(spark, mirror_path, columns)
     names = [c.name for c in columns]
     all_types = {f.name: f.dataType for f in spark_schema(list(columns)).fields}

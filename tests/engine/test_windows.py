@@ -15,6 +15,7 @@ from cdc_assets.engine.windows import (
     closable,
     finished_attempts,
     open_windows,
+    unrecorded_attempts,
 )
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
@@ -77,3 +78,16 @@ def test_superseded_attempt_is_finished_but_its_successor_waits() -> None:
     events = [WindowEvent(STAGED, old), WindowEvent(STAGED, new), WindowEvent(STAGED, elsewhere)]
     assert finished_attempts(events) == {"public.t": {"a"}}
     assert finished_attempts([*events, WindowEvent(RECONCILED, new)]) == {"public.t": {"a", "b"}}
+
+
+def test_unrecorded_attempt_is_dropped_only_once_it_is_old_enough() -> None:
+    recorded = window(0, "run1", 500)
+    elsewhere = window(0, "run3", 500, table="public.u")  # the attempt id is recorded for another table only
+    events = [WindowEvent(STAGED, recorded), WindowEvent(STAGED, elsewhere)]
+    staged = {"public.t": {"run1": 100.0, "run2": 100.0, "run3": 100.0, "young": 300.0}, "public.v": {"run9": 50.0}}
+    assert unrecorded_attempts(events, staged, written_before=200.0) == {
+        "public.t": {"run2", "run3"},  # run1 has a window; "young" may still be recorded by its run
+        "public.v": {"run9"},
+    }
+    assert unrecorded_attempts(events, staged, written_before=100.0) == {"public.v": {"run9"}}
+    assert unrecorded_attempts([], {}, written_before=1e12) == {}

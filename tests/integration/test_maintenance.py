@@ -2,16 +2,24 @@
 
 from __future__ import annotations
 
+import time
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
 from pyspark.sql import functions as F
 
 from cdc_assets.engine.lsn import parse_lsn
-from cdc_assets.engine.windows import finished_attempts
+from cdc_assets.engine.windows import finished_attempts, unrecorded_attempts
 from cdc_assets.lake import windows as window_log
-from cdc_assets.lake.maintenance import drop_attempts, maintain_lake, vacuum
-from cdc_assets.lake.mirror import last_applied_lsn
+from cdc_assets.lake.maintenance import (
+    UNRECORDED_GRACE,
+    drop_attempts,
+    maintain_lake,
+    staged_attempt_times,
+    vacuum,
+)
+from cdc_assets.lake.mirror import StagedRowsMismatch, last_applied_lsn
 from cdc_assets.lake.pipeline import PostgresPipeline
 from tests.integration.support import mirror_rows, pipeline_config, seeded_source, source_rows
 from tests.integration.test_pipeline_basic import run_until_reconciled
@@ -67,9 +75,23 @@ def test_upkeep_drops_finished_snapshots_compacts_and_the_stream_stays_exact(sou
     before = {name: (file_count(spark, p.mirror), file_count(spark, p.changelog)) for name, p in paths.items()}
     offsets = {name: last_applied_lsn(spark, p.changelog) for name, p in paths.items()}
 
-    results = {r.table: r for r in maintain_lake(spark, pipeline.lake, tables, TARGET_BYTES)}
+    # a run that died between its staging write and its window record left an attempt no window names
+    items_staging = paths["public.items"].staging
+    dead = spark.read.format("delta").load(items_staging).where(F.col("_cdc_attempt") == first["public.items"])
+    dead = dead.withColumn("_cdc_attempt", F.lit("died-before-record"))
+    dead.write.format("delta").mode("append").partitionBy("_cdc_attempt").save(items_staging)
+    events = window_log.read_events(spark, pipeline.lake.windows)
+    staged_times = {"public.items": staged_attempt_times(spark, items_staging)}
+    assert set(staged_times["public.items"]) == {first["public.items"], waiting, "died-before-record"}
+    # within a day of its write its run might still record it: kept
+    assert unrecorded_attempts(events, staged_times, time.time() - UNRECORDED_GRACE.total_seconds()) == {}
+    assert unrecorded_attempts(events, staged_times, time.time() + 1) == {"public.items": {"died-before-record"}}
+
+    upkeep = maintain_lake(spark, pipeline.lake, tables, TARGET_BYTES, unrecorded_grace=timedelta(0))
+    results = {r.table: r for r in upkeep}
 
     assert staged_attempts(spark, paths["public.items"].staging) == {waiting}
+    assert [results[name].unrecorded_attempts_dropped for name in sorted(tables)] == [0, 1, 0]  # docs, items, pairs
     for name in ("public.pairs", "public.docs"):
         assert staged_attempts(spark, paths[name].staging) == set(), name
         assert results[name].staging_files_dropped > 0, name
@@ -99,3 +121,17 @@ def test_upkeep_drops_finished_snapshots_compacts_and_the_stream_stays_exact(sou
     assert not list(staging.glob("_cdc_attempt=*/*.parquet"))
     changelog = spark.read.format("delta").load(paths["public.items"].changelog)
     assert changelog.where(F.col("_cdc_op") == "u").count() > 0  # the changelog itself is untouched
+
+    # a window whose staged rows are gone is refused before anything is written (reconciling it would delete the
+    # chunk's mirror rows); re-materializing the partition supersedes it
+    lost = pipeline.snapshot(spark, items, [0], "t3")  # chunk 0 holds the rows (chunks split the key range)
+    assert lost.rows > 0
+    assert drop_attempts(spark, items_staging, {lost.attempt}) > 0
+    refused = rf"table public\.items: chunk 0: attempt {lost.attempt} recorded {lost.rows} staged rows but staging "
+    refused += r"holds 0: .*Re-materialize partition chunk-000000"
+    with pytest.raises(StagedRowsMismatch, match=refused):
+        run_until_reconciled(pipeline, spark)
+    assert_mirrors_match(spark, pipeline)
+    pipeline.snapshot(spark, items, [0], "t4")
+    assert run_until_reconciled(pipeline, spark)[-1].waiting_windows == 0  # the refused window is superseded
+    assert_mirrors_match(spark, pipeline)
