@@ -887,7 +887,8 @@ def worker_main(role: str, result_fd: int, broken: bool, patched: bool) -> int:
                 batch = pipeline.stream_batch(spark, task["recorded"], task["run"])
                 lsn = parse_lsn(str(batch.offset["lsn"]))
                 _emit(channel, {"ok": True, "offset": lsn, "changes": batch.changes, "lag": batch.lag_bytes,
-                                "waiting": batch.waiting_windows, "reconciled": len(batch.reconciled)})  # fmt: skip
+                                "waiting": batch.waiting_windows, "reconciled": len(batch.reconciled),
+                                "phases": batch.phase_seconds})  # fmt: skip
                 if json.loads(sys.stdin.readline() or "{}").get("op") != "ack":
                     return 0
                 traced("stream.after_offset_record")  # offset recorded by the harness; now the slot may follow
