@@ -36,13 +36,14 @@ from dataclasses import dataclass
 from datetime import timedelta
 
 from delta.tables import DeltaTable
+from pyspark.errors import AnalysisException
 from pyspark.sql import SparkSession
 from pyspark.sql import functions as F
 
 from cdc_assets.engine.faults import fault_point
 from cdc_assets.engine.windows import finished_attempts, unrecorded_attempts
 from cdc_assets.lake import windows as window_log
-from cdc_assets.lake.delta_tables import table_or_none
+from cdc_assets.lake.delta_tables import is_missing_table, table_or_none
 from cdc_assets.lake.layout import SourceLake, UpkeepStep
 from cdc_assets.lake.retry import commit_with_retry
 
@@ -80,9 +81,13 @@ def drop_attempts(spark: SparkSession, staging_path: str, attempts: Iterable[str
 
 
 def staged_attempt_times(spark: SparkSession, staging_path: str) -> dict[str, float]:
-    if table_or_none(spark, staging_path) is None:
-        return {}
-    files = spark.read.format("delta").load(staging_path).select("_cdc_attempt", "_metadata.file_modification_time")
+    try:
+        staged = spark.read.format("delta").load(staging_path)
+    except AnalysisException as error:
+        if is_missing_table(error):
+            return {}
+        raise
+    files = staged.select("_cdc_attempt", "_metadata.file_modification_time")
     newest = files.groupBy("_cdc_attempt").agg(F.max("file_modification_time").cast("double").alias("newest"))
     return {r["_cdc_attempt"]: r["newest"] for r in newest.collect()}
 

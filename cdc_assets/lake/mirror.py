@@ -32,7 +32,7 @@ Contract:
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from delta.tables import DeltaTable
@@ -423,13 +423,18 @@ def _unsettled(lw_xmin: Column, lw_xmax: Column, lw_xip: Column) -> Column:
     return ~settled
 
 
-def check_staged_rows(spark: SparkSession, staging_path: str, windows: Sequence[ChunkWindow]) -> None:
-    attempts = sorted({w.attempt for w in windows})
-    staged = spark.read.format("delta").load(staging_path).where(F.col("_cdc_attempt").isin(attempts))
-    counts = {
+def staged_row_counts(spark: SparkSession, staging_path: str, attempts: Iterable[str]) -> dict[tuple[str, int], int]:
+    """Rows per (attempt, chunk) in staging: what a snapshot run records in its windows, and what reconciliation
+    checks before it writes."""
+    staged = spark.read.format("delta").load(staging_path).where(F.col("_cdc_attempt").isin(sorted(set(attempts))))
+    return {
         (r["_cdc_attempt"], r["_cdc_chunk"]): r["count"]
         for r in staged.groupBy("_cdc_attempt", "_cdc_chunk").count().collect()
     }
+
+
+def check_staged_rows(spark: SparkSession, staging_path: str, windows: Sequence[ChunkWindow]) -> None:
+    counts = staged_row_counts(spark, staging_path, (w.attempt for w in windows))
     for w in windows:
         found = counts.get((w.attempt, w.chunk), 0)
         if found != w.rows:

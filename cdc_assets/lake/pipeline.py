@@ -44,7 +44,14 @@ from cdc_assets.engine.pg_values import PgColumn, copy_query_to_arrow, spark_sch
 from cdc_assets.engine.windows import RECONCILED, STAGED, ChunkWindow, closable, open_windows
 from cdc_assets.lake import windows as window_log
 from cdc_assets.lake.layout import SourceLake
-from cdc_assets.lake.mirror import append_changelog, apply_changes, ensure_staging, fill_unknown, reconcile
+from cdc_assets.lake.mirror import (
+    append_changelog,
+    apply_changes,
+    ensure_staging,
+    fill_unknown,
+    reconcile,
+    staged_row_counts,
+)
 from cdc_assets.lake.retry import commit_with_retry
 from cdc_assets.postgres import catalog, snapshot, stream
 from cdc_assets.postgres.catalog import CapturedTable
@@ -145,15 +152,7 @@ class PostgresPipeline:
             writer = rows.write.format("delta").mode("append").partitionBy("_cdc_attempt").option("mergeSchema", "true")
             commit_with_retry(lambda: writer.save(paths.staging), f"staging {paths.staging}")  # step 2
             high_watermark = snapshot.take_high_watermark(conn)  # step 3: after every read finished
-        counts = {
-            r["_cdc_chunk"]: r["count"]
-            for r in spark.read.format("delta")
-            .load(paths.staging)
-            .where(F.col("_cdc_attempt") == attempt)
-            .groupBy("_cdc_chunk")
-            .count()
-            .collect()
-        }
+        counts = {chunk: rows for (_, chunk), rows in staged_row_counts(spark, paths.staging, [attempt]).items()}
         fault_point("snapshot.before_window_record")
         now = datetime.now(UTC)
         windows = [
