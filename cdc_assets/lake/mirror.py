@@ -213,6 +213,7 @@ def apply_changes(
 
     resolve = sorted(c for c in unchanged_columns if c in after_fields)
     lineage = Window.partitionBy("_key").orderBy(*order).rowsBetween(Window.unboundedPreceding, -1)
+    resolved: dict[str, Column] = {}  # one withColumns: a withColumn per column re-analyzes the growing plan
     for name in resolve:
         unchanged = F.array_contains(F.coalesce(F.col("_cdc_unchanged"), F.array().cast("array<string>")), name)
         value = F.col(f"after.{q(name)}")
@@ -224,8 +225,10 @@ def apply_changes(
             F.when((F.col("_kind") == "d") | (F.col("_key_change") & unchanged), barrier)
             .when((F.col("_kind") == "u") & ~unchanged, known)
         )  # fmt: skip
-        events = events.withColumn(f"_prev_{name}", F.last(state, ignorenulls=True).over(lineage))
-        events = events.withColumn(f"_unch_{name}", unchanged)
+        resolved[f"_prev_{name}"] = F.last(state, ignorenulls=True).over(lineage)
+        resolved[f"_unch_{name}"] = unchanged
+    if resolved:
+        events = events.withColumns(resolved)
 
     if resolve:
         # a key change takes the value the row had under its old key, seen on the old key's delete event
@@ -357,19 +360,17 @@ def _fill_from_mirror(
     wanted = source.where(needs).select("*", *lookup_key)
     condition = [wanted[f"_l_{k}"] == looked_up[f"_m_{k}"] for k in key_columns]
     found = wanted.join(looked_up, condition, "left")
+    filled: dict[str, Column] = {}  # one withColumns (see apply_changes)
+    unknown, representation = F.col("_unknown"), F.col("_rep")
     for name in names:
         flag = F.col(f"_mirror_{name}")
-        found = found.withColumn(name, F.when(flag, F.col(f"_mv_{name}")).otherwise(F.col(name)))
+        filled[name] = F.when(flag, F.col(f"_mv_{name}")).otherwise(F.col(name))
         # no mirror row, or the mirror does not know the value either: still unknown
         missing = flag & (F.col(f"_m_{key_columns[0]}").isNull() | F.array_contains("_m_unknown", name))
-        found = found.withColumn(
-            "_unknown", F.when(missing, F.array_append("_unknown", F.lit(name))).otherwise(F.col("_unknown"))
-        )
+        unknown = F.when(missing, F.array_append(unknown, F.lit(name))).otherwise(unknown)
         carried = F.when(flag & F.col(f"_mr_{name}").isNotNull(), F.create_map(F.lit(name), F.col(f"_mr_{name}")))
-        found = found.withColumn(
-            "_rep", F.map_concat("_rep", F.coalesce(carried, F.create_map().cast("map<string,string>")))
-        )
-    found = found.select(*source.columns)
+        representation = F.map_concat(representation, F.coalesce(carried, F.create_map().cast("map<string,string>")))
+    found = found.withColumns({**filled, "_unknown": unknown, "_rep": representation}).select(*source.columns)
     return source.where(~needs).unionByName(found)
 
 
