@@ -9,8 +9,31 @@ from pathlib import Path
 import pytest
 
 from tests.integration.support import PG_PORT, PG_SOCKET
+from tests.tools.torture_support import BackgroundRun, start_broken_run
 
 ROOT = Path(__file__).resolve().parents[1]
+BROKEN_TORTURE_RUN = pytest.StashKey[BackgroundRun]()
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Start the broken-reconciliation torture run now when a selected test uses it (see
+    ``tests/tools/torture_support.py``): it then runs beside the tests collected before it."""
+    if session.config.option.collectonly:
+        return
+    if any("broken_torture_run" in getattr(item, "fixturenames", ()) for item in session.items):
+        session.config.stash[BROKEN_TORTURE_RUN] = start_broken_run(ROOT / ".state" / "torture-broken-run")
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    run = session.config.stash.get(BROKEN_TORTURE_RUN, None)
+    if run is not None:
+        run.stop()
+
+
+@pytest.fixture(scope="session")
+def broken_torture_run(request: pytest.FixtureRequest) -> BackgroundRun:
+    """The background ``--broken-reconciliation`` run started at collection."""
+    return request.config.stash[BROKEN_TORTURE_RUN]
 
 
 @pytest.fixture(scope="session")
