@@ -1,8 +1,10 @@
 """Chunk windows: which staged chunk reads still wait for reconciliation, and which may close now.
 
 Contract:
-- A ``ChunkWindow`` is one attempt at reading one chunk: the low watermark (``lw_lsn``, the WAL insert position
-  taken just before ``pg_current_snapshot()``, and the snapshot itself), and the high watermark ``hw``.
+- A ``ChunkWindow`` is one attempt at reading one chunk: the low watermark (the snapshot ``pg_current_snapshot()``
+  returned, and ``lw_lsn``, the WAL insert position taken just before it: recorded for diagnosis only, since a
+  transaction unsettled at the low watermark may have written its commit record before it), and the high
+  watermark ``hw``.
 - The window log holds events ``staged`` (an attempt's rows are in staging) and ``reconciled`` (that attempt was
   applied to the mirror). ``open_windows(events)``: for each chunk, its latest staged attempt, unless that attempt is
   reconciled. An older attempt is superseded by a newer one (a re-materialized partition) and never applied.

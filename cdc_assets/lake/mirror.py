@@ -19,6 +19,9 @@ Contract:
   transaction drops the chunk); upsert the rest (guard: mirror row not newer than the high watermark); delete mirror
   rows inside the chunk's key range that the read did not see and that no unsettled transaction touched (repairs
   drift). Changes after the high watermark are unsettled too, so reconciling later than necessary stays exact.
+  The changelog is narrowed to transaction ids from the low watermark's ``xmin`` on, never by WAL position: a
+  transaction can be in ``xip`` while its commit record already precedes the low watermark (its commit waits for a
+  WAL flush or a synchronous standby; the stream may even have applied it), and the read does not see it.
   A dropped key whose mirror row has ``_cdc_unknown`` columns (its unchanged TOAST values reached the stream before
   the mirror had the row) takes those columns from the staged row when no insert, delete or key change touched the
   key since the window opened: no change carried them, so they have not changed since the read.
@@ -465,18 +468,17 @@ def reconcile(
     all_types = {f.name: f.dataType for f in spark_schema(list(columns)).fields}
     key_types = {k: all_types[k] for k in key_columns}
     window_rows = [
-        (w.attempt, w.chunk, w.lw_lsn, w.low_watermark.xmin, w.low_watermark.xmax, sorted(w.low_watermark.xip), w.hw,
-         w.at)
+        (w.attempt, w.chunk, w.low_watermark.xmin, w.low_watermark.xmax, sorted(w.low_watermark.xip), w.hw, w.at)
         for w in windows
     ]  # fmt: skip
     window_frame = F.broadcast(
         spark.createDataFrame(
             window_rows,
-            "_w_attempt string, _w_chunk int, _w_lw_lsn long, _w_xmin long, _w_xmax long, _w_xip array<long>, "
-            "_w_hw long, _w_at timestamp",
+            "_w_attempt string, _w_chunk int, _w_xmin long, _w_xmax long, _w_xip array<long>, _w_hw long, "
+            "_w_at timestamp",
         )
     )
-    lowest_lw = min(w.lw_lsn for w in windows)
+    lowest_xmin = min(w.low_watermark.xmin for w in windows)
 
     # keys (old and new) changed by transactions not settled at each window's low watermark
     key_fields = ", ".join(f"{q('_t_' + k)} {key_types[k].simpleString()}" for k in key_columns)
@@ -485,11 +487,14 @@ def reconcile(
     unstable_keys = touched_keys
     touched: DataFrame | None = None
     if DeltaTable.isDeltaTable(spark, changelog_path):
-        recent = spark.read.format("delta").load(changelog_path).where(F.col("_cdc_position") > lowest_lw)
-        recent = recent.join(window_frame, F.col("_cdc_position") > F.col("_w_lw_lsn"))
+        # narrowed by transaction id, never by WAL position: a transaction unsettled at the low watermark may have
+        # written its commit record before it (the commit waits for a flush or a synchronous standby)
+        recent = spark.read.format("delta").load(changelog_path).where(F.col("_cdc_xid") >= lowest_xmin)
+        recent = recent.join(window_frame, F.col("_cdc_xid") >= F.col("_w_xmin"))
         log = recent.where(_unsettled(F.col("_w_xmin"), F.col("_w_xmax"), F.col("_w_xip")))
         keys = F.array(_key_struct("after", key_columns), _key_struct("before", key_columns))
-        # keys whose row may have been replaced since the window opened (insert, delete, key change)
+        # keys whose row may have been replaced since the window opened (insert, delete, key change; by any
+        # transaction from the low watermark's xmin on: a superset of the unsettled ones)
         new_key, old_key = _key_struct("after", key_columns), _key_struct("before", key_columns)
         replaced = F.col("_cdc_op").isin("c", "d") | (
             (F.col("_cdc_op") == "u") & F.col("before").isNotNull() & ~new_key.eqNullSafe(old_key)

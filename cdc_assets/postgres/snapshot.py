@@ -132,7 +132,9 @@ def take_low_watermark(conn: psycopg.Connection) -> LowWatermark:
 
 
 def take_insert_lsn(conn: psycopg.Connection) -> int:
-    """The WAL position before the low watermark: every transaction unsettled at it commits after this LSN."""
+    """The WAL position just before the low watermark, recorded with the window for diagnosis. Not a bound on the
+    unsettled transactions' commits: one listed in ``xip`` may have written its commit record already (it waits for
+    the WAL flush or a synchronous standby before it leaves the process array)."""
     return take_high_watermark(conn)
 
 

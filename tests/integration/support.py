@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -153,3 +155,54 @@ def _as_tuples(rows: list[dict], names: list[str]) -> set[tuple]:
             extra = dict(extra)
         out.add((*(_freeze(row[n]) for n in names), _freeze(extra or None)))
     return out
+
+
+ABSENT_STANDBY = "cdc_test_absent_standby"
+
+
+@contextmanager
+def commit_held_by_absent_standby(admin_dsn: str, database: str, statement: str) -> Iterator[int]:
+    """Run ``statement`` in its own transaction while the server waits for a synchronous standby that never comes:
+    its commit record is written and flushed (logical decoding reads it) but the transaction stays in the process
+    array, so ``pg_current_snapshot()`` lists it in ``xip`` and no other snapshot sees its rows. Yields the held
+    backend's pid; on exit cancels the wait (the commit becomes visible) and resets ``synchronous_standby_names``.
+
+    Server-wide while it lasts: any other commit with ``synchronous_commit = on`` would wait too, so the test must
+    write nothing else meanwhile (the pipeline's reads and slot moves assign no transaction id and never wait)."""
+    root = psycopg.connect(f"{admin_dsn} dbname=postgres", autocommit=True)
+    held = psycopg.connect(f"{admin_dsn} dbname={database}", autocommit=True)
+    held.execute("set synchronous_commit = on")
+    pid = held.info.backend_pid
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            held.execute(statement)
+        except BaseException as error:  # reported below
+            errors.append(error)
+
+    thread = threading.Thread(target=run, daemon=True)
+    try:
+        root.execute(sql.SQL("alter system set synchronous_standby_names = {}").format(sql.Literal(ABSENT_STANDBY)))
+        root.execute("select pg_reload_conf()")
+        time.sleep(1.5)  # the checkpointer publishes the standby list after it reloads
+        thread.start()
+        deadline = time.monotonic() + 20
+        while True:
+            (event,) = root.execute("select wait_event from pg_stat_activity where pid = %s", [pid]).fetchone()
+            if event == "SyncRep":
+                break
+            assert thread.is_alive() and time.monotonic() < deadline, (
+                f"the statement did not wait for the absent standby (wait event {event!r}, errors {errors})"
+            )
+            time.sleep(0.1)
+        yield pid
+    finally:
+        root.execute("alter system reset synchronous_standby_names")
+        root.execute("select pg_reload_conf()")
+        if thread.is_alive():
+            root.execute("select pg_cancel_backend(%s)", [pid])  # "the transaction has already committed locally"
+            thread.join(30)
+        held.close()
+        root.close()
+    assert not errors, errors

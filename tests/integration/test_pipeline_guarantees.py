@@ -4,6 +4,8 @@
   ROLLBACK TO, TOAST values left unchanged, one transaction open across several chunk windows): exact mirrors and
   a changelog without duplicates;
 - an idle table's chunk is reconciled without any write to the source;
+- a transaction in the low watermark's ``xip`` whose commit record is already in the WAL (held by a synchronous
+  standby) is applied by the stream and not overwritten by the read that could not see it;
 - runs killed (SIGKILL) before a window is recorded and after the lake commit but before the offset is recorded:
   the rerun is exact and appends nothing twice;
 - a 200k-change transaction streams through batches bounded by change count with bounded driver memory.
@@ -29,6 +31,7 @@ from cdc_assets.engine.lsn import parse_lsn
 from cdc_assets.lake.pipeline import PostgresPipeline
 from cdc_assets.postgres.stream import current_flush_lsn, slot_position
 from tests.integration.support import (
+    commit_held_by_absent_standby,
     mirror_rows,
     pipeline_config,
     seeded_source,
@@ -216,6 +219,28 @@ def test_idle_table_chunk_is_reconciled_without_writes(source, spark) -> None:
     assert not pipeline.lake.waiting_markers()
     mirror = mirror_rows(spark, pipeline.lake.table("public.pairs").mirror, table)
     assert mirror == source_rows(config.sources[0], table)
+
+
+def test_commit_held_at_the_low_watermark_is_not_overwritten_by_the_read(source, spark) -> None:
+    """A commit record can precede the low watermark while its transaction is still in the snapshot's ``xip``
+    (the commit waits for a WAL flush or a synchronous standby). The read cannot see it, the stream applies it: the
+    key must be dropped from the chunk however early in the WAL that commit lies."""
+    _, admin_dsn, config = source
+    pipeline = PostgresPipeline(config, config.sources[0])
+    items = pipeline.prepare()["public.items"]
+    recorded = catch_up(pipeline, spark, None)
+    chunks = list(range(len(pipeline.plan(items).chunks)))
+    statement = "update items set name = 'held commit', qty = -7 where id = 7"
+    with commit_held_by_absent_standby(admin_dsn, DATABASE, statement):
+        report = pipeline.snapshot(spark, items, chunks, "held")
+        assert report.rows > 0
+        recorded = catch_up(pipeline, spark, recorded)  # applies the held commit, then reconciles every chunk
+    recorded = catch_up(pipeline, spark, recorded)
+    mirror = spark.read.format("delta").load(pipeline.lake.table("public.items").mirror).where("id = 7")
+    assert [(r.name, r.qty) for r in mirror.collect()] == [("held commit", -7)]
+    assert mirror_rows(spark, pipeline.lake.table("public.items").mirror, items) == source_rows(
+        config.sources[0], items
+    )
 
 
 CRASH_SCRIPT = """
