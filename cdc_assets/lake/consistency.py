@@ -8,9 +8,10 @@ everything up to the high watermark (the slot's ``confirmed_flush_lsn`` passed i
 the result is inconclusive, never a false alarm), and compares with the same count and checksum computed on Spark
 over the mirror's key range (``mirror_row_digest``), leaving out on both sides the keys that transactions not
 settled at the low watermark touched (the same rule as reconciliation, so concurrent writes cause no false alarm;
-the source side subtracts those keys' digests in the same transaction). Only counts, sums and the excluded keys
-cross the wire. On a mismatch the first differing key (in key-text order) is named with both rows' column texts,
-taken in the same transaction. Nothing is written anywhere.
+the source side subtracts those keys' digests in the same transaction). The mirror and the changelog are read as
+of one version each (the mirror first), so every evaluation sees the same rows while the stream goes on. Only
+counts, sums and the excluded keys cross the wire. On a mismatch the first differing key (in key-text order) is
+named with both rows' column texts, taken in the same transaction. Nothing is written anywhere.
 """
 
 from __future__ import annotations
@@ -103,7 +104,6 @@ def check_chunks(
     chunks = [plan.chunks[i] for i in indexes]
     paths = pipeline.lake.table(table.qualified_name)
     with pipeline.connect() as conn, pipeline.connect() as reader:
-        lw_lsn = snapshot.take_insert_lsn(conn)
         low_watermark = snapshot.take_low_watermark(conn)
         reader.execute("start transaction isolation level repeatable read, read only")
         try:
@@ -116,7 +116,7 @@ def check_chunks(
                     return [_inconclusive(table, i, reason) for i in indexes]
                 time.sleep(1)
             checked = list(zip(indexes, chunks, sources, strict=True))
-            return _compare(spark, reader, table, paths, lw_lsn, low_watermark, checked)
+            return _compare(spark, reader, table, paths, low_watermark, checked)
         finally:
             if not reader.broken:
                 reader.execute("rollback")
@@ -127,15 +127,19 @@ def _inconclusive(table: CapturedTable, index: int, reason: str) -> ChunkCheck:
 
 
 def _touched_keys(
-    spark: SparkSession, paths: TablePaths, lw_lsn: int, lw: LowWatermark, keys: list[str],
-    key_types: dict[str, DataType],
-) -> DataFrame | None:  # fmt: skip
-    """Keys that transactions not settled at the low watermark touched (changelog rows after ``lw_lsn``), or
-    ``None`` when one of them was a TRUNCATE."""
+    spark: SparkSession, paths: TablePaths, lw: LowWatermark, keys: list[str], key_types: dict[str, DataType]
+) -> DataFrame | None:
+    """Keys (old and new) that transactions not settled at the low watermark touched, or ``None`` when one of them
+    was a TRUNCATE. The changelog is read as of its version now (pinned: the stream appends while the check runs,
+    and a Delta frame, even a cached one, would see those appends on its next evaluation, so the source and the
+    mirror side would leave out different keys) and narrowed by transaction id, never by WAL position (see
+    ``cdc_assets.lake.mirror``: an unsettled transaction's commit record may precede the low watermark)."""
     touched = spark.createDataFrame([], ", ".join(f"{q(k)} {key_types[k].simpleString()}" for k in keys))
     if not DeltaTable.isDeltaTable(spark, paths.changelog):
         return touched
-    log = spark.read.format("delta").load(paths.changelog).where(F.col("_cdc_position") > lw_lsn)
+    version = DeltaTable.forPath(spark, paths.changelog).history(1).first()["version"]
+    log = spark.read.format("delta").option("versionAsOf", version).load(paths.changelog)
+    log = log.where(F.col("_cdc_xid") >= lw.xmin)
     log = log.where(_unsettled(F.lit(lw.xmin), F.lit(lw.xmax), F.array(*[F.lit(x) for x in sorted(lw.xip)])
                                .cast("array<long>")))  # fmt: skip
     if log.where(F.col("_cdc_op") == "t").limit(1).count():
@@ -146,7 +150,7 @@ def _touched_keys(
 
 
 def _compare(
-    spark: SparkSession, reader: psycopg.Connection, table: CapturedTable, paths: TablePaths, lw_lsn: int,
+    spark: SparkSession, reader: psycopg.Connection, table: CapturedTable, paths: TablePaths,
     low_watermark: LowWatermark, chunks: list[tuple[int, Chunk, tuple[int, int]]],
 ) -> list[ChunkCheck]:  # fmt: skip
     columns = list(table.columns)
@@ -160,7 +164,7 @@ def _compare(
     version = DeltaTable.forPath(spark, paths.mirror).history(1).first()["version"]
     whole_mirror = spark.read.format("delta").option("versionAsOf", version).load(paths.mirror)
     whole_mirror = whole_mirror.select(*[q(n) for n in names], UNREPRESENTABLE_COLUMN)
-    all_touched = _touched_keys(spark, paths, lw_lsn, low_watermark, keys, key_types)
+    all_touched = _touched_keys(spark, paths, low_watermark, keys, key_types)
     if all_touched is None:
         return [_inconclusive(table, i, "a TRUNCATE ran during the check") for i, _, _ in chunks]
     all_touched = all_touched.cache()
