@@ -4,7 +4,9 @@ Contract:
 - Mirror schema: the source columns (``spark_schema``), ``_cdc_unrepresentable``, ``_cdc_op`` (``c``/``u`` from the
   stream, ``r`` from a snapshot), ``_cdc_position`` (commit end LSN of the last change applied to the row; a
   reconciled snapshot row carries its window's high watermark), ``_cdc_ts`` and ``_cdc_unknown`` (names of columns
-  whose value the lake could not know, see below; NULL when none). Change Data Feed is on.
+  whose value the lake could not know, see below; NULL when none). Change Data Feed is on. A column dropped at the
+  source stays: every write (change or reconciled snapshot row) assigns all the mirror's source columns
+  (``mirror_source_fields``), so the dropped one is NULL in each row written after the drop.
 - ``append_changelog``: appends a batch's changes, skipping those at or below the offset recorded in the changelog's
   last commit (``userMetadata``; a retried batch appends nothing twice: batches are contiguous in commit order, one
   table's append is one atomic Delta commit, and only stream batches write changelogs).
@@ -93,6 +95,14 @@ def ensure_mirror(spark: SparkSession, path: str, columns: Sequence[PgColumn]) -
         commit_with_retry(lambda: spark.sql(f"ALTER TABLE delta.{q(path)} ADD COLUMNS ({added})"), f"evolve {path}")
         table = DeltaTable.forPath(spark, path)
     return table
+
+
+def mirror_source_fields(mirror: DeltaTable) -> list[T.StructField]:
+    """The mirror's source columns in the mirror's order: every column the source has had, the dropped ones too.
+    Every write assigns all of them, so a column missing from a change's or a read's row (dropped at the source)
+    is NULL in every row written after the drop, however old the caller's description of the table is."""
+    meta = {f.name for f in META_FIELDS} | {UNREPRESENTABLE_COLUMN}
+    return [f for f in mirror.toDF().schema.fields if f.name not in meta]
 
 
 STAGING_PROPERTIES = {
@@ -187,7 +197,8 @@ def apply_changes(
     """Apply one batch of one table's changes (changelog rows) to the mirror. ``truncate`` is the batch's last
     ``TRUNCATE`` of the table as (``_cdc_position``, ``_cdc_seq``), known to the driver from the batch."""
     mirror = ensure_mirror(spark, path, columns)
-    mirror_columns = [c.name for c in columns]
+    mirror_types = {f.name: f.dataType for f in mirror_source_fields(mirror)}
+    mirror_columns = list(mirror_types)
     after_fields = {f.name: f.dataType for f in changes.schema["after"].dataType.fields}
     order = [F.col("_cdc_position"), F.col("_cdc_seq")]
 
@@ -247,7 +258,6 @@ def apply_changes(
     from_mirror: list[tuple[str, Column]] = []
     unknown: list[Column] = []
     extra_representations: list[Column] = []
-    mirror_types = {f.name: f.dataType for f in spark_schema(list(columns)).fields}
     for name in mirror_columns:
         if name not in after_fields:
             values[name] = F.lit(None).cast(mirror_types[name])
@@ -464,8 +474,8 @@ def reconcile(
         return []
     check_staged_rows(spark, staging_path, windows)
     mirror = ensure_mirror(spark, mirror_path, columns)
-    names = [c.name for c in columns]
-    all_types = {f.name: f.dataType for f in spark_schema(list(columns)).fields}
+    all_types = {f.name: f.dataType for f in mirror_source_fields(mirror)}
+    names = list(all_types)
     key_types = {k: all_types[k] for k in key_columns}
     window_rows = [
         (w.attempt, w.chunk, w.low_watermark.xmin, w.low_watermark.xmax, sorted(w.low_watermark.xip), w.hw, w.at)

@@ -7,6 +7,7 @@ from pathlib import Path
 import psycopg
 import pytest
 
+from cdc_assets.engine.lsn import parse_lsn
 from cdc_assets.lake.pipeline import PostgresPipeline
 from tests.integration.support import mirror_rows, pipeline_config, seeded_source, source_rows
 
@@ -25,7 +26,7 @@ def run_until_reconciled(pipeline: PostgresPipeline, spark, rounds: int = 10) ->
     for _ in range(rounds):
         report = pipeline.stream_batch(spark, recorded, "test")
         reports.append(report)
-        recorded = int(report.offset["lsn"].split("/")[0], 16) << 32 | int(report.offset["lsn"].split("/")[1], 16)
+        recorded = parse_lsn(str(report.offset["lsn"]))
         pipeline.acknowledge(recorded)
         if report.waiting_windows == 0 and report.changes == 0:
             break
@@ -66,3 +67,49 @@ def test_snapshot_then_stream_matches_source(source, spark) -> None:
         expected = source_rows(config.sources[0], table)
         differ = sorted(mirror ^ expected, key=str)
         assert mirror == expected, f"{name}: {len(differ)} rows differ, e.g. {differ[:2]}"
+
+
+def test_dropped_column_stays_and_is_null_in_every_row_written_after_the_drop(source, spark) -> None:
+    """DESIGN.md: a dropped column stays in the mirror, NULL from then on: in every row a change or a re-snapshot
+    writes after the drop, whether the stream run described the table before the drop or after it; rows nothing
+    wrote since keep the value they had."""
+    admin, config = source
+    before = PostgresPipeline(config, config.sources[0])  # described before the drop
+    pairs = before.prepare()["public.pairs"]
+    chunks = before.plan(pairs).chunks
+    before.snapshot(spark, pairs, list(range(len(chunks))), "initial")
+    run_until_reconciled(before, spark)
+
+    admin.execute("alter table pairs drop column label")
+    admin.execute("update pairs set amount = -amount where region = 1")
+    admin.execute("insert into pairs (region, code, amount) values (77, 'after-drop', 7)")
+    recorded = parse_lsn(str(run_until_reconciled(before, spark)[-1].offset["lsn"]))  # described with label
+
+    after = PostgresPipeline(config, config.sources[0])  # a new run describes the table without label
+    assert "label" not in [c.name for c in after.prepare()["public.pairs"].columns]
+    admin.execute("update pairs set amount = -amount where region = 2")
+    report = after.stream_batch(spark, recorded, "after-drop")
+    assert report.changes > 0
+    after.acknowledge(parse_lsn(str(report.offset["lsn"])))
+    # a re-snapshot after the drop rewrites its chunk from a read that has no label
+    resnapshotted = chunks[0]
+    after.snapshot(spark, after.tables["public.pairs"], [resnapshotted.index], "resnapshot")
+    run_until_reconciled(after, spark)
+
+    mirror = spark.read.format("delta").load(after.lake.table("public.pairs").mirror)
+    assert "label" in mirror.columns
+    rows = {(r["region"], r["code"]): r for r in mirror.select("region", "code", "amount", "label").collect()}
+    in_first_chunk = (
+        (lambda key: True)
+        if resnapshotted.hi is None
+        else (lambda key: key < (int(resnapshotted.hi[0]), str(resnapshotted.hi[1])))
+    )
+    written_after_drop = {key for key in rows if key[0] in (1, 2, 77) or in_first_chunk(key)}
+    assert (77, "after-drop") in rows and written_after_drop != set(rows)
+    for key, row in rows.items():
+        if key in written_after_drop:
+            assert row["label"] is None, f"{key}: written after the drop but label is {row['label']!r}"
+        else:
+            assert row["label"] == "l" + key[1][1:], f"{key}: nothing wrote it since the drop, label {row['label']!r}"
+    expected = source_rows(config.sources[0], after.tables["public.pairs"])
+    assert mirror_rows(spark, after.lake.table("public.pairs").mirror, after.tables["public.pairs"]) == expected
