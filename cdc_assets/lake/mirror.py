@@ -64,16 +64,18 @@ def q(name: str) -> str:
     return "`" + name.replace("`", "``") + "`"
 
 
-def mirror_schema(columns: Sequence[PgColumn]) -> T.StructType:
-    return T.StructType([*spark_schema(list(columns)).fields, *META_FIELDS])
-
-
-def ensure_mirror(spark: SparkSession, path: str, columns: Sequence[PgColumn]) -> DeltaTable:
+def ensure_mirror(
+    spark: SparkSession, path: str, columns: Sequence[PgColumn], also: Sequence[T.StructField] = ()
+) -> DeltaTable:
     """Create the mirror when missing (CDF and deletion vectors on); add source columns it lacks (an added column
-    evolves the schema). Deletion vectors: a batch's MERGE then marks replaced rows instead of rewriting every file
-    it touches, and random changes touch every file of a big mirror (bench.stream, 1M rows, 83k changes per batch:
-    MERGE 41.8 s over 3 batches with them, 57.7 s without; only tiny mirrors are faster without)."""
-    schema = mirror_schema(columns)
+    evolves the schema): those of ``columns`` and the source fields ``also`` (columns of rows about to be written
+    that the caller's description of the table lacks: a snapshot read after the column was added). Deletion
+    vectors: a batch's MERGE then marks replaced rows instead of rewriting every file it touches, and random changes
+    touch every file of a big mirror (bench.stream, 1M rows, 83k changes per batch: MERGE 41.8 s over 3 batches
+    with them, 57.7 s without; only tiny mirrors are faster without)."""
+    source_fields = spark_schema(list(columns)).fields
+    described = {f.name for f in source_fields}
+    schema = T.StructType([*source_fields, *[f for f in also if f.name not in described], *META_FIELDS])
 
     def create() -> None:
         (
@@ -391,6 +393,9 @@ def _fill_from_mirror(
 # Reconciliation
 
 
+STAGING_ONLY_COLUMNS = frozenset({"_cdc_chunk", "_cdc_attempt", UNREPRESENTABLE_COLUMN})
+
+
 class StagedRowsMismatch(RuntimeError):
     """A window's staged rows are not what it recorded; reconciling it would lose mirror rows."""
 
@@ -473,7 +478,10 @@ def reconcile(
     if not windows:
         return []
     check_staged_rows(spark, staging_path, windows)
-    mirror = ensure_mirror(spark, mirror_path, columns)
+    staging = spark.read.format("delta").load(staging_path)
+    # a column the read had but the caller's description lacks (added since the stream run described the table)
+    staged_source_fields = [f for f in staging.schema.fields if f.name not in STAGING_ONLY_COLUMNS]
+    mirror = ensure_mirror(spark, mirror_path, columns, also=staged_source_fields)
     all_types = {f.name: f.dataType for f in mirror_source_fields(mirror)}
     names = list(all_types)
     key_types = {k: all_types[k] for k in key_columns}
@@ -530,7 +538,7 @@ def reconcile(
 
     attempts = [w.attempt for w in windows]
     staged = (
-        spark.read.format("delta").load(staging_path)
+        staging
         .where(F.col("_cdc_attempt").isin(attempts))
         .join(window_frame, (F.col("_cdc_attempt") == F.col("_w_attempt")) & (F.col("_cdc_chunk") == F.col("_w_chunk")))
     )  # fmt: skip
