@@ -79,7 +79,7 @@ def test_schema_changes_reach_the_mirror_whatever_description_the_stream_run_has
     pairs = before.prepare()["public.pairs"]
     chunks = before.plan(pairs).chunks
     before.snapshot(spark, pairs, list(range(len(chunks))), "initial")
-    recorded = parse_lsn(str(run_until_reconciled(before, spark)[-1].offset["lsn"]))
+    run_until_reconciled(before, spark)
 
     admin.execute("alter table pairs drop column label")
     admin.execute("alter table pairs add column tag text default 'dflt'")  # no change carries it to the stream
@@ -89,7 +89,7 @@ def test_schema_changes_reach_the_mirror_whatever_description_the_stream_run_has
     # a re-snapshot after both: its read has no label and every row's tag; the run described before reconciles it
     resnapshotted = chunks[0]
     after.snapshot(spark, after.tables["public.pairs"], [resnapshotted.index], "resnapshot")
-    recorded = parse_lsn(str(run_until_reconciled(before, spark)[-1].offset["lsn"]))  # no change carried tag yet
+    run_until_reconciled(before, spark)  # no change carried tag yet
     admin.execute("update pairs set amount = -amount where region = 1")
     admin.execute("insert into pairs (region, code, amount) values (77, 'after-drop', 7)")
     recorded = parse_lsn(str(run_until_reconciled(before, spark)[-1].offset["lsn"]))
