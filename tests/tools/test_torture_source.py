@@ -1,0 +1,81 @@
+"""The torture harness's split between the runner and a source's side (``tools/torture_source.py``).
+
+- the runner (``tools/torture.py``) loads no database driver and no source's module until a source kind is asked
+  for, so a second source plugs in beside PostgreSQL without touching it; an unknown kind is refused by name;
+- ``PostgresTorture`` provides every operation of the ``TortureSource`` interface;
+- ``compare_rows`` reports the first differing key in key order with only the differing columns, treats NaN as
+  equal to NaN, and names a row that exists on one side only;
+- ``Tally`` keeps committed changes apart from commits whose outcome is unknown.
+"""
+
+from __future__ import annotations
+
+import inspect
+import subprocess
+import sys
+from collections import Counter
+
+import pytest
+
+from tests.tools.torture_support import ROOT
+from tools.torture_source import SeedSource, Tally, TortureSource, compare_rows
+
+
+def test_runner_loads_no_source_module_until_a_kind_is_asked_for() -> None:
+    probe = (
+        "import sys; sys.path.insert(0, sys.argv[1]); import tools.torture as t; "
+        "loaded = lambda: sorted(m for m in ('psycopg', 'pyspark', 'tools.torture_postgres') if m in sys.modules); "
+        "print(loaded()); t.source_kind('postgres'); print(loaded())"
+    )
+    result = subprocess.run([sys.executable, "-c", probe, str(ROOT)], capture_output=True, text=True, check=True)
+    before, after = result.stdout.splitlines()
+    assert before == "[]"
+    assert after == "['psycopg', 'tools.torture_postgres']"
+
+
+def test_unknown_source_kind_is_refused_by_name() -> None:
+    from tools.torture import source_kind
+
+    with pytest.raises(ValueError, match=r"source kind 'mongodb' has no torture side; allowed: postgres"):
+        source_kind("mongodb")
+
+
+def _operations(protocol: type) -> set[str]:
+    return {n for n in dir(protocol) if not n.startswith("_")} | set(getattr(protocol, "__annotations__", {}))
+
+
+def test_postgres_side_provides_the_whole_interface() -> None:
+    from tools.torture_postgres import PostgresSeed, PostgresTorture
+
+    for implementation, protocol in ((PostgresTorture, TortureSource), (PostgresSeed, SeedSource)):
+        missing = {n for n in _operations(protocol) if not hasattr(implementation, n)}
+        missing -= set(getattr(implementation, "__dataclass_fields__", {}))  # instance fields
+        assert not missing, f"{implementation.__name__} lacks {sorted(missing)}"
+    for name in ("build_config", "offset_position", "verify", "break_settled_rule"):  # called on the class
+        assert isinstance(inspect.getattr_static(PostgresTorture, name), staticmethod), name
+    assert PostgresTorture.offset_position({"lsn": "0/16B3748"}) == 0x16B3748
+
+
+def test_compare_rows_names_the_first_differing_key_and_columns() -> None:
+    columns = ["id", "name", "ratio"]
+    source = {(1,): (1, "a", float("nan")), (2,): (2, "b", 1.5), (3,): (3, "c", 2.0)}
+    assert compare_rows("public.t", columns, dict(source), source) is None
+    mirror = {(1,): (1, "a", float("nan")), (2,): (2, "b", 1.25), (3,): (3, "x", 2.0)}
+    assert compare_rows("public.t", columns, mirror, source) == (
+        "table public.t key (2): mirror={ratio: 1.25} source={ratio: 1.5}"
+    )
+    del mirror[(2,)]
+    assert compare_rows("public.t", columns, mirror, source) == (
+        "table public.t key (2): mirror=None source=(2, 'b', 1.5)"
+    )
+
+
+def test_tally_keeps_commits_in_doubt_apart() -> None:
+    tally = Tally()
+    tally.add(Counter({"items": 2}), certain=True)
+    tally.add(Counter({"items": 1, "docs": 4}), certain=False)
+    assert (tally.committed, tally.in_doubt, tally.transactions) == (
+        Counter({"items": 2}),
+        Counter({"items": 1, "docs": 4}),
+        1,
+    )

@@ -1,0 +1,1 @@
+"""Command-line tools: the torture harness (``torture.py``) and the demo database (``demo_db.py``)."""
