@@ -842,6 +842,20 @@ def verify(spark: Any, spec: Mapping[str, Any], admin_dsn: str, oracle_start: in
 # The source as the runner sees it
 
 
+def _until_done(statement: Callable[[], None], session: Session, ctx: WorkloadContext) -> None:
+    """Run a schema event's ``statement`` (it commits) until it succeeds or the workload stops: a lock timeout or a
+    source restart rolls it back and it runs again; a harness bug (``HARNESS_BUGS``) stops the seed."""
+    while not ctx.stop.is_set():
+        try:
+            statement()
+            return
+        except HARNESS_BUGS:
+            raise
+        except psycopg.Error:
+            session.rollback()
+            time.sleep(0.5)
+
+
 @dataclass
 class PostgresSeed:
     """One seed's database (``SeedSource``)."""
@@ -887,36 +901,28 @@ class PostgresSeed:
 
     def add_column(self, added: tuple[str, Column], session: Session, ctx: WorkloadContext) -> None:
         table, column = added
-        while not ctx.stop.is_set():
-            try:
-                session.run(None, sql.SQL("alter table {} add column {} {}").format(
-                    sql.Identifier(table), sql.Identifier(column.name), sql.SQL(column.type)))  # fmt: skip
-                session.commit()
-                self.added.setdefault(table, []).append(column)
-                return
-            except HARNESS_BUGS:
-                raise
-            except psycopg.Error:
-                session.rollback()
-                time.sleep(0.5)
+
+        def statement() -> None:
+            session.run(None, sql.SQL("alter table {} add column {} {}").format(
+                sql.Identifier(table), sql.Identifier(column.name), sql.SQL(column.type)))  # fmt: skip
+            session.commit()
+            self.added.setdefault(table, []).append(column)
+
+        _until_done(statement, session, ctx)
 
     def truncate(self, table: str, session: Session, ctx: WorkloadContext, r: random.Random) -> None:
         ops = Ops(session, r, self.rows, self.added)
-        while not ctx.stop.is_set():
-            try:
-                session.run(None, sql.SQL("truncate {}").format(sql.Identifier(table)))
-                session.pending[table] += 1  # one change per truncated table
-                if r.random() < 0.5:
-                    session.commit()  # re-inserted by a later transaction
-                for _ in range(self.rows[table] // 2):
-                    ops.insert(table)
-                session.commit()
-                return
-            except HARNESS_BUGS:
-                raise
-            except psycopg.Error:
-                session.rollback()
-                time.sleep(0.5)
+
+        def statement() -> None:
+            session.run(None, sql.SQL("truncate {}").format(sql.Identifier(table)))
+            session.pending[table] += 1  # one change per truncated table
+            if r.random() < 0.5:
+                session.commit()  # re-inserted by a later transaction
+            for _ in range(self.rows[table] // 2):
+                ops.insert(table)
+            session.commit()
+
+        _until_done(statement, session, ctx)
 
     def verify_args(self) -> dict[str, Any]:
         return {"admin_dsn": self.dsn, "oracle_start": self.oracle_start}
