@@ -290,7 +290,7 @@ class Proc:
         try:
             self.process.stdin.write((json.dumps(message) + "\n").encode())
             self.process.stdin.flush()
-        except OSError:
+        except (OSError, ValueError):  # ValueError: stdin already closed by ``stop`` (the command is ending)
             pass  # the death shows on the result channel
 
     def kill(self) -> None:
