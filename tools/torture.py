@@ -459,7 +459,6 @@ class SeedRun:
         self.pool = pool
         self.lake = options.work_dir / f"lake-{seed}"
         self.seed_source: SeedSource | None = None  # made by run()
-        self.spec: dict[str, Any] = {}
         self.faults: Counter[str] = Counter()
         self.errors: list[str] = []
         self.lock = threading.Lock()
@@ -472,6 +471,13 @@ class SeedRun:
         self.recorded: int | None = None
         self.batches = 0
         self.ctx = WorkloadContext(Tally())
+
+    @property
+    def spec(self) -> dict[str, Any]:
+        """The seed's source spec, which every task carries (the workers build the pipeline's config from it)."""
+        if self.seed_source is None:
+            raise RuntimeError(f"seed {self.seed}: no source yet (run() creates it)")
+        return self.seed_source.spec
 
     # -- bookkeeping -------------------------------------------------------------------------------------------
     def fail(self, message: str) -> None:
@@ -614,10 +620,10 @@ class SeedRun:
         r = random.Random(self.seed)
         shutil.rmtree(self.lake, ignore_errors=True)
         seed_source = self.source.create(self.seed, r, self.options.scale, self.lake, self.options.chunk_size)
-        self.seed_source, self.spec = seed_source, seed_source.spec
+        self.seed_source = seed_source
         from cdc_assets.source import open_source
 
-        config = self.source.build_config(self.spec)
+        config = self.source.build_config(seed_source.spec)
         pipeline = open_source(config, config.sources[0])
         plans = {name: len(pipeline.plan(table).chunks) for name, table in pipeline.prepare().items()}
         tasks: queue.Queue[tuple[str, list[int], bool]] = queue.Queue()
