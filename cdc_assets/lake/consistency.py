@@ -6,7 +6,9 @@ one ``REPEATABLE READ, READ ONLY`` transaction PostgreSQL computes the chunk's r
 ``row_digest.source_row_digest`` over the key range); high watermark. It then waits until the stream has applied
 everything up to the high watermark (the slot's ``confirmed_flush_lsn`` passed it, or ``wait_seconds`` expire: then
 the result is inconclusive, never a false alarm), and compares with the same count and checksum computed on Spark
-over the mirror's key range (``mirror_row_digest``), leaving out on both sides the keys that transactions not
+over the mirror's key range (``mirror_row_digest``) on the columns the catalog lists after the low watermark (a
+column no write has brought to the mirror yet is NULL there: an added column's ``DEFAULT``, which no change
+carries, is reported), leaving out on both sides the keys that transactions not
 settled at the low watermark touched (the same rule as reconciliation, so concurrent writes cause no false alarm;
 the source side subtracts those keys' digests in the same transaction). The mirror and the changelog are read as
 of one version each (the mirror first), so every evaluation sees the same rows while the stream goes on. Only
@@ -42,7 +44,7 @@ from cdc_assets.lake.row_digest import (
     source_key_text,
     source_row_digest,
 )
-from cdc_assets.postgres import snapshot, stream
+from cdc_assets.postgres import catalog, snapshot, stream
 from cdc_assets.postgres.catalog import CapturedTable
 
 if TYPE_CHECKING:
@@ -105,6 +107,9 @@ def check_chunks(
     paths = pipeline.lake.table(table.qualified_name)
     with pipeline.connect() as conn, pipeline.connect() as reader:
         low_watermark = snapshot.take_low_watermark(conn)
+        # the columns the table has now: every column added before the low watermark is compared (a column that no
+        # write has brought to the mirror yet counts as NULL there)
+        table = catalog.with_current_columns(conn, table)
         reader.execute("start transaction isolation level repeatable read, read only")
         try:
             sources = [_source_summary(reader, table, chunk) for chunk in chunks]  # the transaction's snapshot
@@ -163,7 +168,11 @@ def _compare(
     # pin the mirror first: the changelog read afterwards holds every change the pinned mirror holds
     version = DeltaTable.forPath(spark, paths.mirror).history(1).first()["version"]
     whole_mirror = spark.read.format("delta").option("versionAsOf", version).load(paths.mirror)
-    whole_mirror = whole_mirror.select(*[q(n) for n in names], UNREPRESENTABLE_COLUMN)
+    present = set(whole_mirror.columns)
+    types = {f.name: f.dataType for f in spark_schema(columns).fields}
+    whole_mirror = whole_mirror.select(
+        *[q(n) if n in present else F.lit(None).cast(types[n]).alias(n) for n in names], UNREPRESENTABLE_COLUMN
+    )
     all_touched = _touched_keys(spark, paths, low_watermark, keys, key_types)
     if all_touched is None:
         return [_inconclusive(table, i, "a TRUNCATE ran during the check") for i, _, _ in chunks]

@@ -147,6 +147,10 @@ class PostgresPipeline:
         with self.connect() as conn:
             lw_lsn = snapshot.take_insert_lsn(conn)
             low_watermark = snapshot.take_low_watermark(conn)  # step 1: every read below starts after this
+            # read the columns the table has now: a column added after the run described the table, and set by a
+            # transaction settled at the low watermark, is in the rows the reads see (else staged without it and
+            # reconciled as NULL over the stream's value: a lost update)
+            table = catalog.with_current_columns(conn, table)
             rows = self.read_chunks(spark, conn, table, chunks, attempt)
             ensure_staging(spark, paths.staging, rows.schema)
             writer = rows.write.format("delta").mode("append").partitionBy("_cdc_attempt").option("mergeSchema", "true")

@@ -5,6 +5,9 @@ Contract:
   (columns from the catalog, key = primary key or configured surrogate key). A table without a primary key and
   without a configured surrogate key, an unknown table, or an unknown surrogate-key column raises ``SourceError``
   naming the table.
+- ``with_current_columns`` returns a captured table with the columns the catalog lists at the moment of the call
+  (the key and settings unchanged). A chunk read calls it after its low watermark: every column added by an
+  ``ALTER`` committed before the watermark is then read, whatever the run described when it started.
 - ``check_replication_role`` refuses a role without the ``REPLICATION`` attribute (or superuser).
 - ``ensure_publication`` / ``ensure_slot`` use an existing publication/slot as it is (checking that it covers the
   captured tables / uses ``pgoutput`` on this database), create it when missing and the role may, and otherwise
@@ -14,7 +17,7 @@ Contract:
 from __future__ import annotations
 
 import fnmatch
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import psycopg
 from psycopg import errors, sql
@@ -86,6 +89,25 @@ def discover_tables(conn: psycopg.Connection, source: SourceConfig) -> list[Capt
             if fnmatch.fnmatchcase(name, qualified_pattern):
                 del chosen[name]
     return [describe_table(conn, source, table) for table in chosen.values()]
+
+
+def with_current_columns(conn: psycopg.Connection, table: CapturedTable) -> CapturedTable:
+    """``table`` with its columns as the catalog lists them now (an autocommit connection: this statement's
+    snapshot). The key must still be there; a key column dropped since raises ``SourceError`` naming it."""
+    try:
+        columns = tuple(columns_from_catalog(conn, table.schema, table.name))
+    except LookupError as error:
+        raise SourceError(f"source {table.source!r}: table {table.qualified_name}: {error}") from None
+    if columns == table.columns:
+        return table
+    names = {c.name for c in columns}
+    lost = [k for k in table.key_columns if k not in names]
+    if lost:
+        raise SourceError(
+            f"source {table.source!r}: table {table.qualified_name}: key column(s) {lost} no longer exist; "
+            "re-plan the table (remove its chunk plan and lake folder)"
+        )
+    return replace(table, columns=columns)
 
 
 def describe_table(conn: psycopg.Connection, source: SourceConfig, table: TableConfig) -> CapturedTable:

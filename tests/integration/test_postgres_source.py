@@ -17,6 +17,7 @@ from cdc_assets.postgres.catalog import (
     discover_tables,
     ensure_publication,
     ensure_slot,
+    with_current_columns,
 )
 from cdc_assets.postgres.connection import SourceError, connect
 from cdc_assets.postgres.snapshot import chunk_select, plan_chunks, take_high_watermark, take_low_watermark
@@ -200,6 +201,28 @@ def test_table_without_key_named(admin: psycopg.Connection) -> None:
     with pytest.raises(SourceError, match=r"surrogate_key column 'zz' does not exist"):
         discover_tables(reader, with_key)
     reader.close()
+
+
+def test_with_current_columns_sees_an_added_column_and_names_a_lost_key(admin: psycopg.Connection) -> None:
+    """A chunk read re-describes the columns after its low watermark (``with_current_columns``): an added column is
+    read, an unchanged table is returned as it is, and a key column that is gone is named."""
+    admin.execute("create table reshaped (a int, b int, v text, primary key (a, b))")
+    admin.execute("grant select on reshaped to cdc_reader")
+    try:
+        config = source_config(tables=(TableConfig("public", "reshaped"),))
+        reader = connect(config.connection, "t")
+        (described,) = discover_tables(reader, config)
+        assert with_current_columns(reader, described) is described
+        admin.execute("alter table reshaped add column extra numeric(6, 2) default 1.5")
+        current = with_current_columns(reader, described)
+        assert [c.name for c in current.columns] == ["a", "b", "v", "extra"]
+        assert current.columns[3].type_name == "numeric(6,2)" and current.key_columns == ("a", "b")
+        admin.execute("alter table reshaped drop column b")
+        with pytest.raises(SourceError, match=r"table public\.reshaped: key column\(s\) \['b'\] no longer exist"):
+            with_current_columns(reader, described)
+        reader.close()
+    finally:
+        admin.execute("drop table reshaped")
 
 
 def test_role_without_replication_refused(admin: psycopg.Connection) -> None:
