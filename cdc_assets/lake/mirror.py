@@ -318,7 +318,8 @@ def apply_changes(
 
 
 def fill_assignments(names: Sequence[str]) -> dict[str, Column]:
-    """MERGE ``set`` that replaces only the target's ``_cdc_unknown`` columns with the source row's values."""
+    """MERGE ``set`` that replaces only the target's ``_cdc_unknown`` columns with the source row's values. Unknown
+    columns the source row lacks (``names`` does not list them) stay unknown: never a NULL placeholder."""
     unknown = F.col("t._cdc_unknown")
     fills = {
         q(n): F.when(F.array_contains(unknown, n), F.col(f"s.{q(n)}")).otherwise(F.col(f"t.{q(n)}")) for n in names
@@ -333,7 +334,8 @@ def fill_assignments(names: Sequence[str]) -> dict[str, Column]:
         ),
     )
     fills[q(UNREPRESENTABLE_COLUMN)] = F.when(F.size(merged_map) > 0, merged_map)
-    fills[q("_cdc_unknown")] = F.lit(None)
+    remaining = F.array_except(unknown, F.array(*[F.lit(n) for n in names]))
+    fills[q("_cdc_unknown")] = F.when(F.size(remaining) > 0, remaining)
     return fills
 
 

@@ -26,6 +26,7 @@ import shutil
 import time
 import uuid
 from collections.abc import Iterator, Sequence
+from dataclasses import replace
 from datetime import UTC, datetime
 from functools import cached_property
 from typing import TYPE_CHECKING
@@ -252,7 +253,7 @@ class PostgresPipeline:
                         spark, paths.mirror, changes, columns, table.key_columns, set(spill.unchanged_columns), truncate
                     )
                     if unknown:
-                        self._fill_unknown(spark, table, paths.mirror, unknown)
+                        self._fill_unknown(spark, table, columns, paths.mirror, unknown)
                     phases["merge"] = phases.get("merge", 0.0) + time.monotonic() - mark
                 finally:
                     changes.unpersist()
@@ -283,17 +284,22 @@ class PostgresPipeline:
             phase_seconds={k: round(v, 3) for k, v in phases.items()},
         )
 
-    def _fill_unknown(self, spark: SparkSession, table: CapturedTable, mirror_path: str, keys: list[tuple]) -> None:
+    def _fill_unknown(
+        self, spark: SparkSession, table: CapturedTable, columns: list[PgColumn], mirror_path: str, keys: list[tuple]
+    ) -> None:
         """Read the current source rows of keys whose unchanged TOAST values the lake could not know (a read, as a
-        snapshot does), and fill those values into the mirror."""
+        snapshot does), and fill those values into the mirror. Reads the batch's ``columns`` (an added column's
+        value can be unknown too) that the table still has (one dropped since cannot be read; it stays unknown)."""
         parts: list[pa.Table] = []
         with self.connect() as conn:
+            now = {c.name for c in catalog.with_current_columns(conn, table).columns}
+            readable = replace(table, columns=tuple(c for c in columns if c.name in now))
             for start in range(0, len(keys), 1000):
-                query = snapshot.rows_by_key_select(table, keys[start : start + 1000])
-                parts += list(copy_query_to_arrow(conn, query, list(table.columns)))
+                query = snapshot.rows_by_key_select(readable, keys[start : start + 1000])
+                parts += list(copy_query_to_arrow(conn, query, list(readable.columns)))
         if parts:
             # the Arrow table as it is: to_pandas() would turn the _cdc_unrepresentable map into a list of pairs
-            current = spark.createDataFrame(pa.concat_tables(parts), schema=spark_schema(list(table.columns)))
+            current = spark.createDataFrame(pa.concat_tables(parts), schema=spark_schema(list(readable.columns)))
             fill_unknown(spark, mirror_path, current, table.key_columns)
 
     def _columns(self, table: CapturedTable, added: list[PgColumn]) -> list[PgColumn]:
