@@ -44,6 +44,7 @@ if TYPE_CHECKING:
     from pyspark.sql import SparkSession
 
 CHUNKS_PER_RUN = 4
+CHUNK_CHECK_NAME = "chunk_matches_source"
 # a retried step re-reads (snapshot: new attempt, new window) or re-applies idempotently (stream)
 RETRY = RetryPolicy(max_retries=3, delay=5)
 ACTIVE_RUN_STATUSES = [
@@ -111,7 +112,7 @@ def build_consistency_check(source: SourceConfig, qualified_name: str) -> AssetC
 
     @asset_check(
         asset=table_asset_key(source.name, qualified_name),
-        name="chunk_matches_source",
+        name=CHUNK_CHECK_NAME,
         partitions_def=chunk_partitions(source.name, qualified_name),
         required_resource_keys={"cdc"},
         blocking=False,

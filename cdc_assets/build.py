@@ -25,6 +25,7 @@ from cdc_assets.offsets import build_change_offset_job
 from cdc_assets.postgres.connection import SourceError
 from cdc_assets.source import open_source
 from resources.cdc import CdcResource
+from sensors.consistency import build_consistency_sweep
 from sensors.planner import build_planner_sensor
 from sensors.stream import build_stream_sensor
 
@@ -41,7 +42,7 @@ def captured_table_names(config: CdcConfig, source: SourceConfig) -> list[str]:
 
 def build_definitions(config_path: str | os.PathLike[str]) -> Definitions:
     config = load_config(config_path)
-    assets, checks, jobs, sensors = [], [], [], []
+    assets, checks, jobs, sensors, schedules = [], [], [], [], []
     for source in config.sources:
         names = captured_table_names(config, source)
         assets += [build_table_asset(source, name) for name in names]
@@ -52,10 +53,13 @@ def build_definitions(config_path: str | os.PathLike[str]) -> Definitions:
         sensors.append(build_stream_sensor(source.name, stream_job.name, source.stream.interval_seconds))
         if names:
             sensors.append(build_planner_sensor(source.name, names))
+        if source.checks.cron is not None:
+            schedules += [build_consistency_sweep(source.name, name, source.checks.cron) for name in names]
     return Definitions(
         assets=assets,
         asset_checks=checks,
         jobs=jobs,
         sensors=sensors,
+        schedules=schedules,
         resources={"cdc": CdcResource(config_path=str(Path(config_path).resolve()))},
     )

@@ -102,6 +102,16 @@ class StreamConfig:
 
 
 @dataclass(frozen=True)
+class ChecksConfig:
+    # the consistency sweep: every chunk of every captured table checked (asset check ``chunk_matches_source``) on
+    # this cron schedule, in UTC; None ("off"): no sweep (run the checks yourself)
+    cron: str | None = "0 3 * * *"
+
+
+CRON_FIELDS = ("minute", "hour", "day of month", "month", "day of week")
+
+
+@dataclass(frozen=True)
 class SourceConfig:
     name: str
     kind: str
@@ -115,6 +125,7 @@ class SourceConfig:
     include: tuple[str, ...]
     exclude: tuple[str, ...]
     stream: StreamConfig
+    checks: ChecksConfig = ChecksConfig()
 
 
 @dataclass(frozen=True)
@@ -179,7 +190,7 @@ def _spark(raw: Any, environ: Any) -> SparkConfig:
 
 _SOURCE_KEYS = {
     "name", "kind", "connection", "slot", "publication", "startup_mode", "chunk_size", "read_parallelism",
-    "tables", "include", "exclude", "stream",
+    "tables", "include", "exclude", "stream", "checks",
 }  # fmt: skip
 
 
@@ -215,6 +226,7 @@ def _source(raw: Any, where: str, environ: Any) -> SourceConfig:
         include=include,
         exclude=exclude,
         stream=_stream(source.get("stream") or {}, f"{where}.stream"),
+        checks=_checks(source.get("checks") or {}, f"{where}.checks"),
     )
 
 
@@ -252,6 +264,19 @@ def _stream(raw: Any, where: str) -> StreamConfig:
     for key in zero_or_positive:
         values[key] = _positive_int(stream.get(key, getattr(defaults, key)), f"{where}.{key}", zero_is_off=True)
     return StreamConfig(**values)
+
+
+def _checks(raw: Any, where: str) -> ChecksConfig:
+    checks = _mapping(raw, where, {"cron"})
+    cron = checks.get("cron", ChecksConfig().cron)
+    if cron is None or cron is False or cron == "off":  # YAML reads a bare off as false
+        return ChecksConfig(cron=None)
+    if not isinstance(cron, str) or len(cron.split()) != len(CRON_FIELDS):
+        raise ConfigError(
+            f"{where}.cron: {cron!r} is not a cron expression; allowed: five fields ({', '.join(CRON_FIELDS)}), "
+            "e.g. '0 3 * * *' (daily at 03:00 UTC), or 'off'"
+        )
+    return ChecksConfig(cron=" ".join(cron.split()))
 
 
 def _table(raw: Any, where: str) -> TableConfig:

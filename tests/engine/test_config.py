@@ -72,3 +72,19 @@ def test_stream_upkeep_settings() -> None:
             parse(with_stream({key: -1}))
     with pytest.raises(ConfigError, match=r"stream\.compact_target_mb: expected a positive integer, got 0"):
         parse(with_stream({"compact_target_mb": 0}))
+
+
+def with_checks(checks: object) -> dict:
+    return {**BASE, "sources": [{**BASE["sources"][0], "checks": checks}]}
+
+
+def test_consistency_sweep_cron() -> None:
+    assert parse(BASE).source("demo").checks.cron == "0 3 * * *"
+    assert parse(with_checks({"cron": "30  2 * * 1"})).source("demo").checks.cron == "30 2 * * 1"
+    for off in ("off", False, None):  # YAML reads a bare off as false
+        assert parse(with_checks({"cron": off})).source("demo").checks.cron is None
+    with pytest.raises(ConfigError, match=r"sources\[0\]\.checks\.cron: '0 3 \* \*' is not a cron expression; "
+                                          r"allowed: five fields \(minute, hour"):  # fmt: skip
+        parse(with_checks({"cron": "0 3 * *"}))
+    with pytest.raises(ConfigError, match=r"unknown key sources\[0\]\.checks\.every; allowed keys here: cron"):
+        parse(with_checks({"every": "day"}))

@@ -7,11 +7,20 @@ import subprocess
 import sys
 import threading
 import time
+from datetime import UTC, datetime
 from pathlib import Path
 
 import psycopg
 import pytest
-from dagster import AssetKey, DagsterInstance, DagsterRunStatus, build_sensor_context, materialize
+from dagster import (
+    AssetKey,
+    DagsterInstance,
+    DagsterRunStatus,
+    build_schedule_context,
+    build_sensor_context,
+    instance_for_test,
+    materialize,
+)
 
 from cdc_assets.assets import recorded_offset, stream_asset_key
 from cdc_assets.build import build_definitions
@@ -20,6 +29,7 @@ from cdc_assets.engine.lsn import parse_lsn
 from cdc_assets.lake.layout import SourceLake
 from cdc_assets.offsets import OffsetError, validate_postgres_offset
 from cdc_assets.postgres.stream import slot_position
+from sensors.consistency import check_job_name
 from tests.integration.support import PG_PORT, READER_PASSWORD, create_source, drop_source
 
 DATABASE = "pipe_defs"
@@ -216,13 +226,40 @@ def test_planner_requests_initial_snapshot_runs_without_the_chunk_checks(config_
     assert chunk_partition_key(0) in added, added
 
 
-def test_chunk_check_runs_as_a_dagster_asset_check_and_reports_the_database_side_checksum(config_path, spark) -> None:
-    """The asset check as Dagster runs it, for one partition, while the stream runs beside it: the pairs mirror
-    (filled by the stream tests above) matches its source, with the counts and both checksums in the metadata.
-    Runs last in the module: its stream thread moves the slot outside any Dagster run."""
-    from dagster import AssetCheckKey, AssetSelection, Definitions, define_asset_job
-
+def test_consistency_sweep_requests_one_check_run_per_chunk_once_per_tick(config_path) -> None:
+    """A schedule per captured table (``checks.cron``, default daily 03:00 UTC) requests one run of the table's
+    check job per chunk partition, tagged with the partition; the job holds the chunk check and no asset."""
     from cdc_assets.assets import chunk_partitions, table_asset_key
+
+    path, _ = config_path
+    defs = build_definitions(path)
+    name = check_job_name("defs", "public.pairs")
+    sweep = defs.resolve_schedule_def(f"{name}_sweep")
+    assert (sweep.cron_schedule, sweep.execution_timezone, sweep.job_name) == ("0 3 * * *", "UTC", name)
+    assert {s.name for s in defs.schedules} >= {f"{check_job_name('defs', t)}_sweep" for t in ("public.pairs",)}
+    job = defs.resolve_job_def(name)
+    assert job.asset_layer.executable_asset_keys == set()  # the check alone: nothing is materialized
+    assert [k.name for k in job.asset_layer.asset_graph.asset_check_keys if k.asset_key == table_asset_key(
+        "defs", "public.pairs")] == ["chunk_matches_source"]  # fmt: skip
+    at = datetime(2026, 11, 25, 3, tzinfo=UTC)
+    with instance_for_test() as instance:  # a schedule's context needs a persistent instance
+        with build_schedule_context(instance=instance, scheduled_execution_time=at) as context:
+            assert sweep.evaluate_tick(context).run_requests == []  # no partitions yet: a skip, not an error
+        keys = [chunk_partition_key(i) for i in range(3)]
+        instance.add_dynamic_partitions(chunk_partitions("defs", "public.pairs").name, keys)
+        with build_schedule_context(instance=instance, scheduled_execution_time=at) as context:
+            requests = sweep.evaluate_tick(context).run_requests
+    assert sorted(r.tags["dagster/partition"] for r in requests) == keys
+    assert all(r.tags["dagster/priority"] == "-1" for r in requests)  # behind stream and snapshot runs
+    assert len({r.run_key for r in requests}) == 3 and all(at.isoformat() in r.run_key for r in requests)
+
+
+def test_chunk_check_runs_as_a_dagster_asset_check_and_reports_the_database_side_checksum(config_path, spark) -> None:
+    """The asset check as the consistency sweep runs it (its job, the tags its schedule gives), for one partition,
+    while the stream runs beside it: the pairs mirror (filled by the stream tests above) matches its source, with
+    the counts and both checksums in the metadata. Runs last in the module: its stream thread moves the slot outside
+    any Dagster run."""
+    from cdc_assets.assets import chunk_partitions
     from cdc_assets.config import load_config
     from cdc_assets.lake.pipeline import PostgresPipeline
     from tests.integration.test_consistency import Streamer
@@ -232,15 +269,16 @@ def test_chunk_check_runs_as_a_dagster_asset_check_and_reports_the_database_side
         (rows,) = admin.execute("select count(*) from pairs").fetchone()
     assert rows >= 7  # written by the stream tests above
     defs = build_definitions(path)
-    key = table_asset_key("defs", "public.pairs")
-    check_key = AssetCheckKey(key, "chunk_matches_source")
-    check_job = define_asset_job(  # what the UI launches for one partition of the check
-        "pairs_chunk_check", selection=AssetSelection.checks(check_key),
-        partitions_def=chunk_partitions("defs", "public.pairs"),
-    )  # fmt: skip
-    job = Definitions.merge(defs, Definitions(jobs=[check_job])).resolve_job_def("pairs_chunk_check")
-    instance = DagsterInstance.ephemeral()
+    # the consistency sweep's job for the table, with the tags its schedule gives a chunk's run
+    job = defs.resolve_job_def(check_job_name("defs", "public.pairs"))
     partition = chunk_partition_key(0)
+    sweep = defs.resolve_schedule_def(f"{check_job_name('defs', 'public.pairs')}_sweep")
+    with instance_for_test() as persistent:  # a schedule's context needs a persistent instance
+        persistent.add_dynamic_partitions(chunk_partitions("defs", "public.pairs").name, [partition])
+        with build_schedule_context(instance=persistent, scheduled_execution_time=datetime.now(UTC)) as context:
+            [request] = sweep.evaluate_tick(context).run_requests
+    assert request.tags["dagster/partition"] == partition
+    instance = DagsterInstance.ephemeral()
     instance.add_dynamic_partitions(chunk_partitions("defs", "public.pairs").name, [partition])
     config = load_config(path)
     pipeline = PostgresPipeline(config, config.sources[0])
@@ -251,7 +289,7 @@ def test_chunk_check_runs_as_a_dagster_asset_check_and_reports_the_database_side
     try:
         # a check-only selection has no asset to take the partitions from, so execute_in_process(partition_key=)
         # refuses it; the partition tag is what a launched run of the check carries
-        result = job.execute_in_process(instance=instance, tags={"dagster/partition": partition})
+        result = job.execute_in_process(instance=instance, tags=request.tags)
     finally:
         streamer.finish()
     assert result.success
