@@ -26,9 +26,7 @@ deterministic, so a seed fixes the workload's recipe, not its exact interleaving
    offset, then the worker acknowledges it (the slot moves, as the Dagster stream asset does); after every 4th
    batch it runs the lake upkeep (``maintain_lake``: staged attempts dropped, compaction; after every 8th also
    vacuum; not with ``--broken-reconciliation``). Every run builds a fresh ``CdcSource`` (``open_source``) and
-   calls ``prepare()``, as a Dagster run would. A snapshot run then waits up to ``DESCRIBED_EARLY_SECONDS``
-   before its window opens, as a Dagster run starts its Spark driver between describing the table and reading it
-   (about 8 s), so a schema event can fall between the description and the reads.
+   calls ``prepare()``, as a Dagster run would.
 4. **Faults** (unless ``--no-faults``): workers run with ``CDC_FAULTS`` / ``CDC_FAULT_PROBABILITY`` /
    ``CDC_FAULT_SEED`` (snapshot: ``snapshot.before_window_record``; stream: ``stream.after_changelog``,
    ``stream.after_lake_commit``, ``stream.after_offset_record``, ``stream.during_maintenance``), so they are
@@ -108,7 +106,6 @@ STREAM_POINTS = (
 # stream.compact_seconds and stream.vacuum_seconds)
 COMPACT_EVERY, VACUUM_EVERY = 4, 8
 TASK_ATTEMPTS = 8
-DESCRIBED_EARLY_SECONDS = 3.0  # upper bound of the pause between a snapshot run's prepare() and its reads
 # C1-only JIT and the serial collector: short-lived drivers on a small machine start and warm up about twice as fast
 JVM_OPTIONS = "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC"
 
@@ -187,7 +184,6 @@ def worker_main(role: str, kind: str, result_fd: int, broken: bool, patched: boo
             pipeline = open_source(config, config.sources[0])
             tables = pipeline.prepare() if task["op"] != "verify" else {}
             if task["op"] == "snapshot":
-                time.sleep(task.get("described_early", 0))  # a Dagster run starts its Spark driver here
                 report = pipeline.snapshot(spark, tables[task["table"]], task["chunks"], task["run"])
                 _emit(channel, {"ok": True, "rows": report.rows, "hw": report.hw})
             elif task["op"] == "verify":
@@ -558,7 +554,6 @@ class SeedRun:
 
     def snapshot_loop(self, worker: Worker, tasks: queue.Queue[tuple[str, list[int], bool]],
                       plans: dict[str, int], r: random.Random) -> None:  # fmt: skip
-        delays = random.Random(f"{self.seed}:{worker.name}:described")  # its own stream: the recipe is unchanged
         while self.failure is None:
             try:
                 name, chunks, initial = tasks.get_nowait()
@@ -569,8 +564,7 @@ class SeedRun:
                 start = r.randrange(plans[name])
                 chunks, initial = list(range(start, min(plans[name], start + r.randint(1, 2)))), False
             task = {"op": "snapshot", "source": self.spec, "table": name, "chunks": chunks,
-                    "run": f"{worker.name}-{name}-{chunks[0]}",
-                    "described_early": round(delays.uniform(0, DESCRIBED_EARLY_SECONDS), 2)}  # fmt: skip
+                    "run": f"{worker.name}-{name}-{chunks[0]}"}  # fmt: skip
             if self.run_task(worker, task) is None:
                 return
             with self.lock:
