@@ -17,6 +17,11 @@ engine (chunks, watermark windows, reconciliation, offsets) and the lake code ar
   forward; a source that keeps no server-side state for us has nothing to do) and returns the position the source
   now holds.
 - ``pending_work()`` says why a batch is due now, or None; cheap enough for a sensor that runs every few seconds.
+- ``column_names(table)`` are the table's columns as ``prepare()`` described them, and
+  ``filled_without_changes(table, names)`` the ones of ``names`` (columns added since the caller last looked) whose
+  values in rows written before can differ from NULL although no change carried them (PostgreSQL: a column added
+  with a ``DEFAULT``, or generated: the catalog says ``atthasmissing`` or ``atthasdef``). Those rows' chunks must be
+  read again; the planner sensor requests it.
 - ``check_chunks(spark, table, indexes, wait_seconds)`` compares row count and checksum of chunks, computed at the
   source and over the mirror, at a consistent point (``cdc_assets.lake.consistency``).
 
@@ -101,6 +106,10 @@ class CdcSource(Protocol[TableT]):
     def acknowledge(self, position: int) -> int: ...
 
     def pending_work(self) -> str | None: ...
+
+    def column_names(self, table: TableT) -> list[str]: ...
+
+    def filled_without_changes(self, table: TableT, names: Sequence[str]) -> list[str]: ...
 
     def check_chunks(
         self, spark: SparkSession, table: TableT, indexes: Sequence[int], wait_seconds: float = 120

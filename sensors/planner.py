@@ -3,7 +3,16 @@
 For every captured table: plan its chunks once (stored in the lake, immutable), add the chunk partitions that the
 instance does not have yet, and in ``initial`` or ``snapshot`` mode request snapshot runs for the new chunks, in
 ranges of ``CHUNKS_PER_RUN`` chunks per run. Run keys make every chunk's initial snapshot requested once.
+
+Added columns: the sensor's cursor holds each table's column names as it last saw them (recorded on first sight,
+which the initial snapshot covers). When a table gains columns whose older rows hold a value no change carried
+(``CdcSource.filled_without_changes``: PostgreSQL's ``ADD COLUMN ... DEFAULT`` or a generated column), it requests
+a snapshot of every chunk of the table, as above; reconciliation then writes those values into the mirror (a row
+changed since is newer than the read and keeps its change). Run keys name the columns: requested once.
 """
+
+import json
+import time
 
 from dagster import (
     AssetSelection,
@@ -37,14 +46,29 @@ def build_planner_sensor(source_name: str, table_names: list[str]) -> SensorDefi
         pipeline = cdc.pipeline(source_name)
         source = cdc.config.source(source_name)
         tables = pipeline.prepare()  # checks role, publication and slot before any snapshot window opens
-        requests = []
+        requests: list[RunRequest] = []
         partition_requests = []
+        seen: dict[str, list[str]] = json.loads(context.cursor) if context.cursor else {}
         for name in table_names:
             table = tables.get(name)
             if table is None:
                 context.log.warning(f"{name} is no longer captured by source {source_name}")
                 continue
             plan = pipeline.plan(table)
+            columns = pipeline.column_names(table)
+            added = [c for c in columns if c not in seen.get(name, columns)]
+            seen[name] = columns
+            filled = pipeline.filled_without_changes(table, added)
+            if filled:
+                reason = (
+                    f"column(s) {', '.join(filled)} added with a value for older rows (DEFAULT or generated) that "
+                    "no change carries: every chunk is read again"
+                )
+                context.log.info(f"{name}: {reason}")
+                indexes = [c.index for c in plan.chunks]
+                # the cursor makes each addition seen once; the time tells a column added again after a drop apart
+                kind = f"refill:{','.join(filled)}@{int(time.time())}"
+                requests += _snapshot_requests(source_name, name, indexes, kind, reason)
             partitions = chunk_partitions(source_name, name)
             existing = set(context.instance.get_dynamic_partitions(partitions.name))
             new_keys = [c.partition_key for c in plan.chunks if c.partition_key not in existing]
@@ -53,21 +77,29 @@ def build_planner_sensor(source_name: str, table_names: list[str]) -> SensorDefi
             partition_requests.append(partitions.build_add_request(new_keys))
             if source.startup_mode in ("initial", "snapshot"):
                 indexes = sorted(c.index for c in plan.chunks if c.partition_key in new_keys)
-                for start in range(0, len(indexes), CHUNKS_PER_RUN):
-                    group = indexes[start : start + CHUNKS_PER_RUN]
-                    first, last = chunk_partition_key(group[0]), chunk_partition_key(group[-1])
-                    requests.append(
-                        RunRequest(
-                            run_key=f"initial:{name}:{first}:{last}",
-                            asset_selection=[table_asset_key(source_name, name)],
-                            # not the chunk checks: they take one chunk each, and a freshly staged chunk is not
-                            # reconciled yet (run them once the stream has passed its window)
-                            asset_check_keys=[],
-                            tags={RANGE_START: first, RANGE_END: last, "cdc/reason": "initial snapshot"},
-                        )
-                    )
-        if not partition_requests:
-            return SkipReason("every captured table is planned")
-        return SensorResult(run_requests=requests, dynamic_partitions_requests=partition_requests)
+                requests += _snapshot_requests(source_name, name, indexes, "initial", "initial snapshot")
+        cursor = json.dumps(seen, sort_keys=True)
+        if not partition_requests and not requests:
+            return SensorResult(skip_reason=SkipReason("every captured table is planned"), cursor=cursor)
+        return SensorResult(run_requests=requests, dynamic_partitions_requests=partition_requests, cursor=cursor)
 
     return planner
+
+
+def _snapshot_requests(source_name: str, name: str, indexes: list[int], kind: str, reason: str) -> list[RunRequest]:
+    """Snapshot runs of ``indexes``, ``CHUNKS_PER_RUN`` chunks each; run key ``<kind>:<table>:<first>:<last>``."""
+    requests = []
+    for start in range(0, len(indexes), CHUNKS_PER_RUN):
+        group = indexes[start : start + CHUNKS_PER_RUN]
+        first, last = chunk_partition_key(group[0]), chunk_partition_key(group[-1])
+        requests.append(
+            RunRequest(
+                run_key=f"{kind}:{name}:{first}:{last}",
+                asset_selection=[table_asset_key(source_name, name)],
+                # not the chunk checks: they take one chunk each, and a freshly staged chunk is not reconciled yet
+                # (run them once the stream has passed its window)
+                asset_check_keys=[],
+                tags={RANGE_START: first, RANGE_END: last, "cdc/reason": reason[:200]},
+            )
+        )
+    return requests

@@ -341,6 +341,16 @@ class PostgresPipeline:
         self.lake.clear_stale_markers({(w.table, w.chunk) for w in still_open}, older_than=log_read_at)
         return done, len(still_open)
 
+    # -- added columns ---------------------------------------------------------------------------------------
+    def column_names(self, table: CapturedTable) -> list[str]:
+        return [c.name for c in table.columns]
+
+    def filled_without_changes(self, table: CapturedTable, names: Sequence[str]) -> list[str]:
+        if not names:
+            return []
+        with self.connect() as conn:
+            return catalog.filled_without_changes(conn, table, names)
+
     # -- consistency -----------------------------------------------------------------------------------------
     def check_chunks(
         self, spark: SparkSession, table: CapturedTable, indexes: Sequence[int], wait_seconds: float = 120

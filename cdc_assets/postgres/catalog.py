@@ -8,6 +8,10 @@ Contract:
 - ``with_current_columns`` returns a captured table with the columns the catalog lists at the moment of the call
   (the key and settings unchanged). A chunk read calls it after its low watermark: every column added by an
   ``ALTER`` committed before the watermark is then read, whatever the run described when it started.
+- ``filled_without_changes`` returns those of the named columns whose catalog entry gives rows written before the
+  column existed a value without a change in the WAL: ``atthasmissing`` (a non-volatile ``DEFAULT``, stored once) or
+  ``atthasdef`` (a volatile ``DEFAULT`` or a generated column, written by a table rewrite that logical decoding
+  does not emit; also a ``DEFAULT`` set after an ``ADD COLUMN`` without one, a harmless false positive).
 - ``check_replication_role`` refuses a role without the ``REPLICATION`` attribute (or superuser).
 - ``ensure_publication`` / ``ensure_slot`` use an existing publication/slot as it is (checking that it covers the
   captured tables / uses ``pgoutput`` on this database), create it when missing and the role may, and otherwise
@@ -17,6 +21,7 @@ Contract:
 from __future__ import annotations
 
 import fnmatch
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import psycopg
@@ -108,6 +113,21 @@ def with_current_columns(conn: psycopg.Connection, table: CapturedTable) -> Capt
             "re-plan the table (remove its chunk plan and lake folder)"
         )
     return replace(table, columns=columns)
+
+
+def filled_without_changes(conn: psycopg.Connection, table: CapturedTable, names: Sequence[str]) -> list[str]:
+    if not names:
+        return []
+    rows = conn.execute(
+        """
+        select a.attname from pg_attribute a
+        where a.attrelid = %s::regclass and a.attname = any(%s) and a.attnum > 0 and not a.attisdropped
+          and (a.atthasmissing or a.atthasdef)
+        order by a.attnum
+        """,
+        [table.identifier.as_string(conn), list(names)],
+    ).fetchall()
+    return [r[0] for r in rows]
 
 
 def describe_table(conn: psycopg.Connection, source: SourceConfig, table: TableConfig) -> CapturedTable:

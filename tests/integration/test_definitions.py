@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -224,6 +225,47 @@ def test_planner_requests_initial_snapshot_runs_without_the_chunk_checks(config_
         assert request.tags["dagster/asset_partition_range_start"] <= request.tags["dagster/asset_partition_range_end"]
     added = {key for r in result.dynamic_partitions_requests for key in r.partition_keys}
     assert chunk_partition_key(0) in added, added
+
+
+def test_planner_reads_every_chunk_again_when_a_column_with_a_default_is_added(config_path) -> None:
+    """No change carries an added column's DEFAULT to older rows (README, Known limits): the planner sees the new
+    column in the catalog (its cursor holds the columns it saw) and requests a snapshot of every chunk of the
+    table, once. A column added without a default needs none."""
+    path, admin_dsn = config_path
+    defs = build_definitions(path)
+    from cdc_assets.config import load_config
+    from cdc_assets.lake.pipeline import PostgresPipeline
+
+    planner = next(s for s in defs.sensors if s.name == "defs_planner_sensor")
+    instance = DagsterInstance.ephemeral()
+
+    def tick(cursor: str | None):
+        with build_sensor_context(
+            instance=instance, resources=defs.resources, definitions=defs, cursor=cursor
+        ) as context:
+            result = planner.evaluate_tick(context)
+        refills = [r for r in result.run_requests if r.run_key.startswith("refill:")]
+        return result.cursor, refills
+
+    cursor, refills = tick(None)
+    assert refills == [] and "title" in json.loads(cursor)["public.docs"]  # first sight: the snapshot covers it
+    with psycopg.connect(f"{admin_dsn} dbname={DATABASE}", autocommit=True) as admin:
+        try:
+            admin.execute("alter table docs add column plain integer")
+            cursor, refills = tick(cursor)
+            assert refills == [] and "plain" in json.loads(cursor)["public.docs"]
+            admin.execute("alter table docs add column shade text not null default 'grey'")
+            cursor, refills = tick(cursor)
+            config = load_config(path)
+            pipeline = PostgresPipeline(config, config.sources[0])
+            chunks = len(pipeline.plan(pipeline.tables["public.docs"]).chunks)
+            assert len(refills) == -(-chunks // 4), refills  # every chunk, four per run
+            assert all(r.run_key.startswith("refill:shade@") and "shade" in r.tags["cdc/reason"] for r in refills)
+            assert {tuple(k.path) for r in refills for k in r.asset_selection} == {("defs", "public", "docs")}
+            cursor, refills = tick(cursor)
+            assert refills == []  # requested once
+        finally:
+            admin.execute("alter table docs drop column if exists plain, drop column if exists shade")
 
 
 def test_consistency_sweep_requests_one_check_run_per_chunk_once_per_tick(config_path) -> None:
