@@ -735,6 +735,10 @@ def parse_seeds(text: str) -> list[int]:
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    """The runner's options, then those of the chosen source kind (``TortureSource.add_arguments``)."""
+    chosen = argparse.ArgumentParser(add_help=False)
+    chosen.add_argument("--source", choices=SOURCE_KINDS, default="postgres")
+    kind = chosen.parse_known_args(argv)[0].source
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     parser.add_argument("--seeds", default="1", help="seeds: '1-5', '3' or '1,4,9'")
     parser.add_argument("--source", choices=SOURCE_KINDS, default="postgres", help="the source database's kind")
@@ -750,14 +754,13 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--snapshot-fault-probability", type=float, default=0.2)
     parser.add_argument("--stream-fault-probability", type=float, default=0.04)
     parser.add_argument("--work-dir", type=Path, default=ROOT / ".state" / "torture", help="lakes and worker logs")
-    parser.add_argument("--pg-port", type=int, default=54339, help="cluster port (54329 is the test suite's)")
-    parser.add_argument("--pg-state", type=Path, default=ROOT / ".state" / "torture-pg")
     parser.add_argument("--verbose", action="store_true", help="progress lines on stderr")
     parser.add_argument("--unpatched", action="store_true",
                         help="run without the harness's patch for the window-log bug (fixed_read_events)")  # fmt: skip
     parser.add_argument("--drop-failed", action="store_true", help="drop a failing seed's database and lake too")
     parser.add_argument("--worker", choices=["snapshot", "stream"], help=argparse.SUPPRESS)
     parser.add_argument("--result-fd", type=int, help=argparse.SUPPRESS)
+    source_kind(kind).add_arguments(parser.add_argument_group(f"--source {kind}"))
     return parser.parse_args(argv)
 
 
@@ -786,7 +789,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     # SIGTERM (a test session ending early) runs the cleanup below: workers stopped, the cluster stopped
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
-    server = source_kind(args.source)(args.pg_port, args.pg_state.resolve())
+    server = source_kind(args.source).from_args(args)
     server_was_running = server.running()
     server.start()
     log_dir = options.work_dir / "logs"

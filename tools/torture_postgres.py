@@ -29,6 +29,7 @@ Contract
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import random
@@ -939,6 +940,15 @@ class PostgresTorture:
 
     def __init__(self, port: int, state: Path) -> None:
         self.cluster = Cluster(port, state)
+
+    @staticmethod
+    def add_arguments(group: argparse._ArgumentGroup) -> None:
+        group.add_argument("--pg-port", type=int, default=54339, help="cluster port (54329 is the test suite's)")
+        group.add_argument("--pg-state", type=Path, default=ROOT / ".state" / "torture-pg", help="cluster folder")
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> PostgresTorture:
+        return cls(args.pg_port, args.pg_state.resolve())
 
     def running(self) -> bool:
         return self.cluster.running()

@@ -25,6 +25,7 @@ Shared here: ``Tally`` (changes per table that the workload committed, and those
 
 from __future__ import annotations
 
+import argparse
 import math
 import random
 import threading
@@ -98,6 +99,15 @@ class TortureSource(Protocol):
 
     kind: str
     restart_fault: str  # the fault's name in a seed's summary line
+
+    @staticmethod
+    def add_arguments(group: argparse._ArgumentGroup) -> None:
+        """The kind's own command-line options (its server's port, state folder, ...)."""
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> TortureSource:
+        """The server under torture, as the options of ``add_arguments`` describe it."""
+        ...
 
     def running(self) -> bool: ...
 

@@ -2,7 +2,7 @@
 
 - the runner (``tools/torture.py``) loads no database driver and no source's module until a source kind is asked
   for, so a second source plugs in beside PostgreSQL without touching it; an unknown kind is refused by name;
-- ``PostgresTorture`` provides every operation of the ``TortureSource`` interface;
+- ``PostgresTorture`` provides every operation of the ``TortureSource`` interface, its command-line options too;
 - ``compare_rows`` reports the first differing key in key order with only the differing columns, treats NaN as
   equal to NaN, and names a row that exists on one side only;
 - ``Tally`` keeps committed changes apart from commits whose outcome is unknown.
@@ -51,9 +51,23 @@ def test_postgres_side_provides_the_whole_interface() -> None:
         missing = {n for n in _operations(protocol) if not hasattr(implementation, n)}
         missing -= set(getattr(implementation, "__dataclass_fields__", {}))  # instance fields
         assert not missing, f"{implementation.__name__} lacks {sorted(missing)}"
-    for name in ("build_config", "offset_position", "verify", "break_settled_rule"):  # called on the class
+    for name in ("add_arguments", "build_config", "offset_position", "verify", "break_settled_rule"):  # on the class
         assert isinstance(inspect.getattr_static(PostgresTorture, name), staticmethod), name
+    assert isinstance(inspect.getattr_static(PostgresTorture, "from_args"), classmethod)
     assert PostgresTorture.offset_position({"lsn": "0/16B3748"}) == 0x16B3748
+
+
+def test_the_source_kind_brings_its_own_options(tmp_path) -> None:
+    """The runner knows no server option: ``--pg-port`` and ``--pg-state`` are the PostgreSQL side's
+    (``add_arguments``), and the server under torture is built from them (``from_args``)."""
+    from tools.torture import parse_args, source_kind
+
+    args = parse_args(["--seeds", "3", "--pg-port", "54399", "--pg-state", str(tmp_path / "pg")])
+    server = source_kind(args.source).from_args(args)
+    assert (server.cluster.port, server.cluster.state) == (54399, tmp_path / "pg")
+    assert parse_args(["--seeds", "3"]).pg_port == 54339
+    runner_source = (ROOT / "tools" / "torture.py").read_text()
+    assert "--pg-" not in runner_source and "pg_port" not in runner_source
 
 
 def test_compare_rows_names_the_first_differing_key_and_columns() -> None:
