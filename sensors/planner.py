@@ -7,8 +7,9 @@ ranges of ``CHUNKS_PER_RUN`` chunks per run. Run keys make every chunk's initial
 Added columns: the sensor's cursor holds each table's column names as it last saw them (recorded on first sight,
 which the initial snapshot covers). When a table gains columns whose older rows hold a value no change carried
 (``CdcSource.filled_without_changes``: PostgreSQL's ``ADD COLUMN ... DEFAULT`` or a generated column), it requests
-a snapshot of every chunk of the table, as above; reconciliation then writes those values into the mirror (a row
-changed since is newer than the read and keeps its change). Run keys name the columns: requested once.
+a snapshot of every chunk of the table, as above, in ``initial`` or ``snapshot`` mode (``latest`` reads no
+table at all); reconciliation then writes those values into the mirror (a row changed since the read gets its change
+from the stream). The cursor makes each addition requested once.
 """
 
 import json
@@ -49,6 +50,7 @@ def build_planner_sensor(source_name: str, table_names: list[str]) -> SensorDefi
         requests: list[RunRequest] = []
         partition_requests = []
         seen: dict[str, list[str]] = json.loads(context.cursor) if context.cursor else {}
+        reads_tables = source.startup_mode in ("initial", "snapshot")
         for name in table_names:
             table = tables.get(name)
             if table is None:
@@ -58,7 +60,7 @@ def build_planner_sensor(source_name: str, table_names: list[str]) -> SensorDefi
             columns = pipeline.column_names(table)
             added = [c for c in columns if c not in seen.get(name, columns)]
             seen[name] = columns
-            filled = pipeline.filled_without_changes(table, added)
+            filled = pipeline.filled_without_changes(table, added) if reads_tables else []
             if filled:
                 reason = (
                     f"column(s) {', '.join(filled)} added with a value for older rows (DEFAULT or generated) that "
@@ -75,7 +77,7 @@ def build_planner_sensor(source_name: str, table_names: list[str]) -> SensorDefi
             if not new_keys:
                 continue
             partition_requests.append(partitions.build_add_request(new_keys))
-            if source.startup_mode in ("initial", "snapshot"):
+            if reads_tables:
                 indexes = sorted(c.index for c in plan.chunks if c.partition_key in new_keys)
                 requests += _snapshot_requests(source_name, name, indexes, "initial", "initial snapshot")
         cursor = json.dumps(seen, sort_keys=True)
