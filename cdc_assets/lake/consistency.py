@@ -1,25 +1,27 @@
 """Per-chunk consistency check: does the mirror hold exactly the source's rows of one chunk?
 
 Contract: ``check_chunks(pipeline, spark, table, indexes)`` (several chunks of a table in one window, or one) runs a
-watermark window like a snapshot: low watermark; in
-one ``REPEATABLE READ, READ ONLY`` transaction PostgreSQL computes the chunk's row count and checksum (the sum of
-``row_digest.source_row_digest`` over the key range); high watermark. It then waits until the stream has applied
-everything up to the high watermark (the slot's ``confirmed_flush_lsn`` passed it, or ``wait_seconds`` expire: then
-the result is inconclusive, never a false alarm), and compares with the same count and checksum computed on Spark
-over the mirror's key range (``mirror_row_digest``) on the columns the catalog lists after the low watermark (a
-column no write has brought to the mirror yet is NULL there: an added column's ``DEFAULT``, which no change
-carries, is reported), leaving out on both sides the keys that transactions not
-settled at the low watermark touched (the same rule as reconciliation, so concurrent writes cause no false alarm;
-the source side subtracts those keys' digests in the same transaction). The mirror and the changelog are read as
-of one version each (the mirror first), so every evaluation sees the same rows while the stream goes on. Only
-counts, sums and the excluded keys cross the wire. On a mismatch the first differing key (in key-text order) is
-named with both rows' column texts, taken in the same transaction. Nothing is written anywhere.
+watermark window like a snapshot: low watermark; in one ``REPEATABLE READ, READ ONLY`` transaction PostgreSQL
+computes the chunk's row count and checksum (the sum of ``row_digest.source_row_digest`` over the key range); high
+watermark. It then waits until the stream has applied everything up to the high watermark (the slot's
+``confirmed_flush_lsn`` passed it, or ``wait_seconds`` expire: then the result is inconclusive, never a false alarm;
+meanwhile a marker, ``SourceLake.mark_check_waiting``, makes ``pending_work`` ask for a batch, so a source nobody
+writes to is checked too), and compares with the same count and checksum computed on Spark over the mirror's key
+range (``mirror_row_digest``) on the columns the catalog lists after the low watermark (a column no write has
+brought to the mirror yet is NULL there: an added column's ``DEFAULT``, which no change carries, is reported),
+leaving out on both sides the keys that transactions not settled at the low watermark touched (the same rule as
+reconciliation, so concurrent writes cause no false alarm; the source side subtracts those keys' digests in the same
+transaction). The mirror and the changelog are read as of one version each (the mirror first), so every evaluation
+sees the same rows while the stream goes on. Only counts, sums and the excluded keys cross the wire. On a mismatch
+the first differing key (in key-text order) is named with both rows' column texts, taken in the same transaction.
+Nothing is written to the source or to a Delta table (only the marker file).
 """
 
 from __future__ import annotations
 
 import json
 import time
+import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -115,11 +117,17 @@ def check_chunks(
             sources = [_source_summary(reader, table, chunk) for chunk in chunks]  # the transaction's snapshot
             high_watermark = snapshot.take_high_watermark(conn)
             deadline = time.monotonic() + wait_seconds
-            while stream.slot_position(conn, pipeline.source.slot)[0] < high_watermark:
-                if time.monotonic() > deadline:
-                    reason = "the stream has not applied the check's high watermark yet"
-                    return [_inconclusive(table, i, reason) for i in indexes]
-                time.sleep(1)
+            # ask for the batch that passes the high watermark: on a source nobody writes to, no change would
+            token = uuid.uuid4().hex
+            pipeline.lake.mark_check_waiting(token, high_watermark)
+            try:
+                while stream.slot_position(conn, pipeline.source.slot)[0] < high_watermark:
+                    if time.monotonic() > deadline:
+                        reason = "the stream has not applied the check's high watermark yet"
+                        return [_inconclusive(table, i, reason) for i in indexes]
+                    time.sleep(1)
+            finally:
+                pipeline.lake.clear_check_waiting(token)
             checked = list(zip(indexes, chunks, sources, strict=True))
             return _compare(spark, reader, table, paths, low_watermark, checked)
         finally:

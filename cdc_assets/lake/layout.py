@@ -7,6 +7,9 @@ Contract (``<lake_root>/<source>/``):
 - ``_cdc/waiting/<schema>.<table>@<chunk>.hw``: one small file per staged, not yet reconciled chunk holding its
   high watermark, so the streaming sensor can see that a window may close without starting Spark. Markers are
   hints: the window log is the truth, and the stream batch rewrites the markers from it.
+- ``_cdc/waiting-checks/<token>.hw``: the high watermark of a consistency check waiting for the stream (written
+  and removed by the check; one older than ``CHECK_MARKER_SECONDS``, left by a killed check, is ignored and
+  removed), so that a source nobody writes to still gets the batch that passes it.
 - ``_cdc/upkeep/<step>``: empty files whose modification times are the ends of the last lake upkeep steps
   (``cdc_assets.lake.maintenance``): ``compact`` (staged attempts dropped, tables compacted) and ``vacuum``. The clock
   of a step starts when it is first asked whether the step is due: a new source's first batches pay for no upkeep.
@@ -26,6 +29,7 @@ from typing import Literal
 from cdc_assets.engine.chunks import ChunkPlan
 
 UpkeepStep = Literal["compact", "vacuum"]
+CHECK_MARKER_SECONDS = 600  # longer than any check waits for the stream
 
 
 @dataclass(frozen=True)
@@ -121,6 +125,33 @@ class SourceLake:
             except (ValueError, FileNotFoundError):
                 continue
         return markers
+
+    def mark_check_waiting(self, token: str, high_watermark: int) -> None:
+        path = self.control / "waiting-checks" / f"{token}.hw"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        temporary = path.with_suffix(".tmp")
+        temporary.write_text(str(high_watermark))
+        temporary.replace(path)
+
+    def clear_check_waiting(self, token: str) -> None:
+        (self.control / "waiting-checks" / f"{token}.hw").unlink(missing_ok=True)
+
+    def check_markers(self) -> list[int]:
+        """High watermarks of the checks waiting for the stream now (markers older than ``CHECK_MARKER_SECONDS``
+        are removed)."""
+        folder = self.control / "waiting-checks"
+        if not folder.exists():
+            return []
+        marks = []
+        for path in folder.glob("*.hw"):
+            try:
+                if time.time() - path.stat().st_mtime > CHECK_MARKER_SECONDS:
+                    path.unlink(missing_ok=True)
+                else:
+                    marks.append(int(path.read_text()))
+            except (ValueError, FileNotFoundError):
+                continue
+        return marks
 
     def clear_stale_markers(self, open_chunks: set[tuple[str, int]], older_than: float) -> None:
         """Remove markers of chunks that are not open, written before the window log was read (a marker written

@@ -365,7 +365,8 @@ class PostgresPipeline:
         """Why a stream batch is due now, or None: the slot holds a change for the publication, the slot lags the
         server by more than ``max_lag_bytes`` (advance it so the server can recycle WAL while the captured tables are
         idle and others are busy), or a staged chunk's high watermark is at or below the server's flush LSN (its
-        window can close). Reads no Delta table (the waiting markers are plain files): cheap enough for a sensor."""
+        window can close), or a consistency check waits for the stream to pass its high watermark. Reads no Delta table
+        (the waiting markers are plain files): cheap enough for a sensor."""
         with self.connect() as conn:
             flush = stream.current_flush_lsn(conn)
             confirmed, _ = stream.slot_position(conn, self.source.slot)
@@ -375,6 +376,8 @@ class PostgresPipeline:
             return f"slot lags the server by {flush - confirmed} bytes"
         if any(hw <= flush for hw in self.lake.waiting_markers().values()):
             return "a chunk window can close"
+        if any(hw <= flush for hw in self.lake.check_markers()):
+            return "a consistency check waits for the stream"
         return None
 
     def acknowledge(self, lsn: int) -> int:

@@ -222,3 +222,40 @@ def test_columns_added_after_the_run_described_the_table_are_checked_and_a_defau
     recorded = catch_up(pipeline, spark, recorded)
     results, _ = check_all(pipeline, spark, items, chunks, recorded)
     assert not not_matching(results), not_matching(results)
+
+
+def test_a_check_on_an_idle_source_is_conclusive_with_the_stream_as_deployed(source, spark) -> None:
+    """The stream as deployed runs a batch only when ``pending_work`` says one is due. On a source nobody writes to
+    (the daily sweep at night), the server's WAL still moves (other databases, checkpoints, snapshots of running
+    transactions), so the check's high watermark is ahead of the slot and no change is waiting: the check must ask
+    for a batch, as a staged chunk does, and be conclusive."""
+    admin_dsn, config = source
+    pipeline = PostgresPipeline(config, config.sources[0])
+    items = pipeline.prepare()["public.items"]
+    pipeline.snapshot(spark, items, [0], "initial")
+    recorded = catch_up(pipeline, spark, None)
+    with psycopg.connect(f"{admin_dsn} dbname={DATABASE}", autocommit=True) as admin:  # WAL no publication holds
+        admin.execute("create table unpublished_noise (x int)")
+        admin.execute("insert into unpublished_noise select generate_series(1, 1000)")
+    assert pipeline.pending_work() is None
+    stop = threading.Event()
+    batches: list[str] = []
+
+    def stream_when_due() -> None:
+        nonlocal recorded
+        while not stop.is_set():
+            reason = pipeline.pending_work()
+            if reason is not None:
+                batches.append(reason)
+                recorded, _ = stream_once(pipeline, spark, recorded)
+            time.sleep(0.5)
+
+    streamer = threading.Thread(target=stream_when_due, daemon=True)
+    streamer.start()
+    try:
+        [result] = check_chunks(pipeline, spark, items, [0], wait_seconds=45)
+    finally:
+        stop.set()
+        streamer.join(120)
+    assert result.conclusive and result.matches, (result, batches)
+    assert "a consistency check waits for the stream" in batches, batches
