@@ -6,9 +6,10 @@ import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
+import psycopg
 import pytest
 
-from tests.integration.support import PG_PORT, PG_SOCKET
+from tests.integration.support import ABSENT_STANDBY, PG_PORT, PG_SOCKET
 from tests.tools.torture_support import BackgroundRun, start_broken_run
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -43,9 +44,20 @@ def postgres_server() -> Iterator[dict[str, str]]:
     pg = str(ROOT / "scripts" / "pg.sh")
     was_running = subprocess.run([pg, "status"], capture_output=True).returncode == 0
     subprocess.run([pg, "start"], check=True, capture_output=True, text=True)
+    reset_absent_standby(f"host={PG_SOCKET} port={PG_PORT} user=postgres dbname=postgres")
     yield {"socket": PG_SOCKET, "port": str(PG_PORT)}
     if not was_running:
         subprocess.run([pg, "stop"], check=True, capture_output=True, text=True)
+
+
+def reset_absent_standby(admin_dsn: str) -> None:
+    """A test run killed inside ``commit_held_by_absent_standby`` leaves ``synchronous_standby_names`` set in
+    ``postgresql.auto.conf``; every later commit would wait for that standby forever. Undo it (only that value)."""
+    with psycopg.connect(admin_dsn, autocommit=True) as root:
+        (names,) = root.execute("select current_setting('synchronous_standby_names')").fetchone()
+        if names == ABSENT_STANDBY:
+            root.execute("alter system reset synchronous_standby_names")
+            root.execute("select pg_reload_conf()")
 
 
 @pytest.fixture(scope="session")
