@@ -39,12 +39,14 @@ from cdc_assets.engine.faults import fault_point
 from cdc_assets.engine.lsn import format_lsn, parse_lsn
 from cdc_assets.lake.layout import UpkeepStep
 from cdc_assets.source import CdcSource, StreamReport
+from cdc_assets.table_check import check_table
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
 
 CHUNKS_PER_RUN = 4
 CHUNK_CHECK_NAME = "chunk_matches_source"
+TABLE_CHECK_NAME = "table_matches_source"
 # a retried step re-reads (snapshot: new attempt, new window) or re-applies idempotently (stream)
 RETRY = RetryPolicy(max_retries=3, delay=5)
 ACTIVE_RUN_STATUSES = [
@@ -150,6 +152,57 @@ def build_consistency_check(source: SourceConfig, qualified_name: str) -> AssetC
         return AssetCheckResult(passed=result.matches, metadata=metadata, description=description)
 
     return chunk_matches_source
+
+
+def build_table_consistency_check(source: SourceConfig, qualified_name: str) -> AssetChecksDefinition:
+    """Whole-table check: every chunk compared as ``chunk_matches_source`` does, ``checks.chunks_per_window`` chunks
+    per watermark window, in one run (one Spark driver); the consistency sweep runs it."""
+    per_window = source.checks.chunks_per_window
+
+    @asset_check(
+        asset=table_asset_key(source.name, qualified_name),
+        name=TABLE_CHECK_NAME,
+        required_resource_keys={"cdc"},
+        blocking=False,
+        description=(
+            f"Every chunk of {qualified_name} compared with the source as chunk_matches_source does, {per_window} "
+            "chunks per watermark window. Fails naming the chunks that differ: re-materialize those partitions."
+        ),
+    )
+    def table_matches_source(context: AssetCheckExecutionContext) -> AssetCheckResult:
+        cdc = context.resources.cdc
+        pipeline = cdc.pipeline(source.name)
+        result = check_table(pipeline, cdc.spark(), pipeline.tables[qualified_name], per_window)
+        differing = [chunk_partition_key(i) for i in result.differing]
+        inconclusive = [chunk_partition_key(i) for i in result.inconclusive]
+        source_rows, mirror_rows = result.rows()
+        metadata = {
+            "chunks": len(result.chunks),
+            "chunks_per_window": per_window,
+            "differing_chunks": MetadataValue.json(differing),
+            "inconclusive_chunks": MetadataValue.json(inconclusive),
+            "source_rows": source_rows,
+            "mirror_rows": mirror_rows,
+        }
+        first = result.first_difference()
+        if first:
+            metadata["first_difference"] = MetadataValue.text(first[:2000])
+        if differing:
+            description = (
+                f"{qualified_name}: {len(differing)} of {len(result.chunks)} chunks differ from the source: "
+                f"{', '.join(differing)}. Re-materialize those partitions to repair. {first}"
+            )
+            return AssetCheckResult(passed=False, metadata=metadata, description=description[:4000])
+        if inconclusive:
+            reasons = sorted({c.reason or "" for c in result.chunks if not c.conclusive})
+            return AssetCheckResult(
+                passed=False, severity=AssetCheckSeverity.WARN, metadata=metadata,
+                description=f"{qualified_name}: inconclusive for {', '.join(inconclusive)}: {'; '.join(reasons)}",
+            )  # fmt: skip
+        description = f"{qualified_name}: all {len(result.chunks)} chunks match the source"
+        return AssetCheckResult(passed=True, metadata=metadata, description=description)
+
+    return table_matches_source
 
 
 def build_stream_asset(source: SourceConfig, table_names: list[str]) -> AssetsDefinition:

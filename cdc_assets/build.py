@@ -17,6 +17,7 @@ from cdc_assets.assets import (
     build_consistency_check,
     build_stream_asset,
     build_table_asset,
+    build_table_consistency_check,
     stream_asset_key,
     stream_job_name,
 )
@@ -25,7 +26,7 @@ from cdc_assets.offsets import build_change_offset_job
 from cdc_assets.postgres.connection import SourceError
 from cdc_assets.source import open_source
 from resources.cdc import CdcResource
-from sensors.consistency import build_consistency_sweep
+from sensors.consistency import build_chunk_check_job, build_consistency_sweep
 from sensors.planner import build_planner_sensor
 from sensors.stream import build_stream_sensor
 
@@ -47,6 +48,8 @@ def build_definitions(config_path: str | os.PathLike[str]) -> Definitions:
         names = captured_table_names(config, source)
         assets += [build_table_asset(source, name) for name in names]
         checks += [build_consistency_check(source, name) for name in names]
+        checks += [build_table_consistency_check(source, name) for name in names]
+        jobs += [build_chunk_check_job(source.name, name) for name in names]
         assets.append(build_stream_asset(source, names))
         stream_job = define_asset_job(stream_job_name(source.name), selection=[stream_asset_key(source.name)])
         jobs += [stream_job, build_change_offset_job(source.name)]

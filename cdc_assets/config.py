@@ -103,9 +103,11 @@ class StreamConfig:
 
 @dataclass(frozen=True)
 class ChecksConfig:
-    # the consistency sweep: every chunk of every captured table checked (asset check ``chunk_matches_source``) on
-    # this cron schedule, in UTC; None ("off"): no sweep (run the checks yourself)
+    # the consistency sweep: every chunk of every captured table checked (asset check ``table_matches_source``, one
+    # run per table) on this cron schedule, in UTC; None ("off"): no sweep (run the checks yourself)
     cron: str | None = "0 3 * * *"
+    # chunks compared in one watermark window (one source transaction, one wait for the stream) by the table check
+    chunks_per_window: int = 8
 
 
 CRON_FIELDS = ("minute", "hour", "day of month", "month", "day of week")
@@ -267,16 +269,20 @@ def _stream(raw: Any, where: str) -> StreamConfig:
 
 
 def _checks(raw: Any, where: str) -> ChecksConfig:
-    checks = _mapping(raw, where, {"cron"})
-    cron = checks.get("cron", ChecksConfig().cron)
+    checks = _mapping(raw, where, {"cron", "chunks_per_window"})
+    defaults = ChecksConfig()
+    per_window = _positive_int(
+        checks.get("chunks_per_window", defaults.chunks_per_window), f"{where}.chunks_per_window"
+    )
+    cron = checks.get("cron", defaults.cron)
     if cron is None or cron is False or cron == "off":  # YAML reads a bare off as false
-        return ChecksConfig(cron=None)
+        return ChecksConfig(cron=None, chunks_per_window=per_window)
     if not isinstance(cron, str) or len(cron.split()) != len(CRON_FIELDS):
         raise ConfigError(
             f"{where}.cron: {cron!r} is not a cron expression; allowed: five fields ({', '.join(CRON_FIELDS)}), "
             "e.g. '0 3 * * *' (daily at 03:00 UTC), or 'off'"
         )
-    return ChecksConfig(cron=" ".join(cron.split()))
+    return ChecksConfig(cron=" ".join(cron.split()), chunks_per_window=per_window)
 
 
 def _table(raw: Any, where: str) -> TableConfig:

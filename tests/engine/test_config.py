@@ -86,5 +86,15 @@ def test_consistency_sweep_cron() -> None:
     with pytest.raises(ConfigError, match=r"sources\[0\]\.checks\.cron: '0 3 \* \*' is not a cron expression; "
                                           r"allowed: five fields \(minute, hour"):  # fmt: skip
         parse(with_checks({"cron": "0 3 * *"}))
-    with pytest.raises(ConfigError, match=r"unknown key sources\[0\]\.checks\.every; allowed keys here: cron"):
+    with pytest.raises(ConfigError, match=r"unknown key sources\[0\]\.checks\.every; allowed keys here: "
+                                          r"chunks_per_window, cron"):  # fmt: skip
         parse(with_checks({"every": "day"}))
+
+
+def test_chunks_per_window_of_the_table_check() -> None:
+    assert parse(BASE).source("demo").checks.chunks_per_window == 8
+    assert parse(with_checks({"chunks_per_window": 3, "cron": "off"})).source("demo").checks.chunks_per_window == 3
+    for bad in (0, -2, "many", 1.5):
+        with pytest.raises(ConfigError, match=r"sources\[0\]\.checks\.chunks_per_window: expected a positive "
+                                              r"integer, got "):  # fmt: skip
+            parse(with_checks({"chunks_per_window": bad}))

@@ -30,7 +30,7 @@ from cdc_assets.engine.lsn import parse_lsn
 from cdc_assets.lake.layout import SourceLake
 from cdc_assets.offsets import OffsetError, validate_postgres_offset
 from cdc_assets.postgres.stream import slot_position
-from sensors.consistency import check_job_name
+from sensors.consistency import check_job_name, sweep_name, table_check_job_name
 from tests.integration.support import PG_PORT, READER_PASSWORD, create_source, drop_source
 
 DATABASE = "pipe_defs"
@@ -74,11 +74,15 @@ def test_definitions_build_with_tables_sensors_and_jobs(config_path) -> None:
         stream_asset_key("defs"),
     } <= keys
     assert {s.name for s in defs.sensors} == {"defs_stream_sensor", "defs_planner_sensor"}
-    assert {j.name for j in defs.jobs} == {"defs_stream", "defs_change_offset"}
+    tables = ("items", "pairs", "docs")
+    assert {j.name for j in defs.jobs} == {"defs_stream", "defs_change_offset"} | {
+        check_job_name("defs", f"public.{name}") for name in tables
+    }
     check_keys = {key for checks in defs.asset_checks for key in checks.check_keys}
     assert {(k.asset_key, k.name) for k in check_keys} == {
-        (AssetKey(["defs", "public", name]), "chunk_matches_source") for name in ("items", "pairs", "docs")
-    }
+        (AssetKey(["defs", "public", name]), check) for name in tables
+        for check in ("chunk_matches_source", "table_matches_source")
+    }  # fmt: skip
 
 
 def test_dagster_cli_validates_the_code_location(config_path) -> None:
@@ -268,21 +272,21 @@ def test_planner_reads_every_chunk_again_when_a_column_with_a_default_is_added(c
             admin.execute("alter table docs drop column if exists plain, drop column if exists shade")
 
 
-def test_consistency_sweep_requests_one_check_run_per_chunk_once_per_tick(config_path) -> None:
+def test_consistency_sweep_requests_one_table_check_run_per_tick(config_path) -> None:
     """A schedule per captured table (``checks.cron``, default daily 03:00 UTC) requests one run of the table's
-    check job per chunk partition, tagged with the partition; the job holds the chunk check and no asset."""
+    check job per tick, once (run key), behind other runs; the job holds the whole-table check and no asset."""
     from cdc_assets.assets import chunk_partitions, table_asset_key
 
     path, _ = config_path
     defs = build_definitions(path)
-    name = check_job_name("defs", "public.pairs")
-    sweep = defs.resolve_schedule_def(f"{name}_sweep")
+    name = table_check_job_name("defs", "public.pairs")
+    sweep = defs.resolve_schedule_def(sweep_name("defs", "public.pairs"))
     assert (sweep.cron_schedule, sweep.execution_timezone, sweep.job_name) == ("0 3 * * *", "UTC", name)
-    assert {s.name for s in defs.schedules} >= {f"{check_job_name('defs', t)}_sweep" for t in ("public.pairs",)}
+    assert {s.name for s in defs.schedules} == {sweep_name("defs", f"public.{t}") for t in ("items", "pairs", "docs")}
     job = defs.resolve_job_def(name)
     assert job.asset_layer.executable_asset_keys == set()  # the check alone: nothing is materialized
     assert [k.name for k in job.asset_layer.asset_graph.asset_check_keys if k.asset_key == table_asset_key(
-        "defs", "public.pairs")] == ["chunk_matches_source"]  # fmt: skip
+        "defs", "public.pairs")] == ["table_matches_source"]  # fmt: skip
     at = datetime(2026, 11, 25, 3, tzinfo=UTC)
     with instance_for_test() as instance:  # a schedule's context needs a persistent instance
         with build_schedule_context(instance=instance, scheduled_execution_time=at) as context:
@@ -290,17 +294,20 @@ def test_consistency_sweep_requests_one_check_run_per_chunk_once_per_tick(config
         keys = [chunk_partition_key(i) for i in range(3)]
         instance.add_dynamic_partitions(chunk_partitions("defs", "public.pairs").name, keys)
         with build_schedule_context(instance=instance, scheduled_execution_time=at) as context:
-            requests = sweep.evaluate_tick(context).run_requests
-    assert sorted(r.tags["dagster/partition"] for r in requests) == keys
-    assert all(r.tags["dagster/priority"] == "-1" for r in requests)  # behind stream and snapshot runs
-    assert len({r.run_key for r in requests}) == 3 and all(at.isoformat() in r.run_key for r in requests)
+            [request] = sweep.evaluate_tick(context).run_requests
+    assert request.run_key == at.isoformat() and "dagster/partition" not in request.tags
+    assert request.tags["dagster/priority"] == "-1"  # behind stream and snapshot runs
 
 
-def test_chunk_check_runs_as_a_dagster_asset_check_and_reports_the_database_side_checksum(config_path, spark) -> None:
-    """The asset check as the consistency sweep runs it (its job, the tags its schedule gives), for one partition,
-    while the stream runs beside it: the pairs mirror (filled by the stream tests above) matches its source, with
-    the counts and both checksums in the metadata. Runs last in the module: its stream thread moves the slot outside
-    any Dagster run."""
+def test_chunk_and_table_checks_run_as_dagster_asset_checks_and_name_a_drifted_chunk(config_path, spark) -> None:
+    """The asset checks as a user and the sweep run them, while the stream runs beside them: the per-chunk check
+    (its job, with a partition tag) and the sweep's whole-table check find the pairs mirror (filled by the stream
+    tests above) equal to its source, with the counts and both checksums in the metadata; after a row is deleted
+    from the mirror, the table check fails naming that chunk. Runs last in the module: its stream thread moves the
+    slot outside any Dagster run, and it leaves the mirror drifted."""
+    from delta.tables import DeltaTable
+    from pyspark.sql import functions as F
+
     from cdc_assets.assets import chunk_partitions
     from cdc_assets.config import load_config
     from cdc_assets.lake.pipeline import PostgresPipeline
@@ -311,33 +318,41 @@ def test_chunk_check_runs_as_a_dagster_asset_check_and_reports_the_database_side
         (rows,) = admin.execute("select count(*) from pairs").fetchone()
     assert rows >= 7  # written by the stream tests above
     defs = build_definitions(path)
-    # the consistency sweep's job for the table, with the tags its schedule gives a chunk's run
-    job = defs.resolve_job_def(check_job_name("defs", "public.pairs"))
     partition = chunk_partition_key(0)
-    sweep = defs.resolve_schedule_def(f"{check_job_name('defs', 'public.pairs')}_sweep")
-    with instance_for_test() as persistent:  # a schedule's context needs a persistent instance
-        persistent.add_dynamic_partitions(chunk_partitions("defs", "public.pairs").name, [partition])
-        with build_schedule_context(instance=persistent, scheduled_execution_time=datetime.now(UTC)) as context:
-            [request] = sweep.evaluate_tick(context).run_requests
-    assert request.tags["dagster/partition"] == partition
     instance = DagsterInstance.ephemeral()
     instance.add_dynamic_partitions(chunk_partitions("defs", "public.pairs").name, [partition])
     config = load_config(path)
     pipeline = PostgresPipeline(config, config.sources[0])
     pipeline.prepare()
     assert len(pipeline.plan(pipeline.tables["public.pairs"]).chunks) == 1
+    chunk_job = defs.resolve_job_def(check_job_name("defs", "public.pairs"))
+    table_job = defs.resolve_job_def(table_check_job_name("defs", "public.pairs"))
     streamer = Streamer(pipeline, spark, None)
     streamer.start()
     try:
         # a check-only selection has no asset to take the partitions from, so execute_in_process(partition_key=)
         # refuses it; the partition tag is what a launched run of the check carries
-        result = job.execute_in_process(instance=instance, tags=request.tags)
+        chunk_run = chunk_job.execute_in_process(instance=instance, tags={"dagster/partition": partition})
+        table_run = table_job.execute_in_process(instance=instance)
+        mirror = pipeline.lake.table("public.pairs").mirror
+        first = spark.read.format("delta").load(mirror).orderBy("region", "code").first()
+        DeltaTable.forPath(spark, mirror).delete((F.col("region") == first.region) & (F.col("code") == first.code))
+        drifted_run = table_job.execute_in_process(instance=instance, raise_on_error=False)
     finally:
         streamer.finish()
-    assert result.success
-    [evaluation] = result.get_asset_check_evaluations()
-    assert evaluation.passed, evaluation.description
-    metadata = {k: v.value for k, v in evaluation.metadata.items()}
-    assert metadata["source_rows"] == metadata["mirror_rows"] == rows
-    assert metadata["source_checksum"] == metadata["mirror_checksum"] != "0"
-    assert result.get_asset_materialization_events() == []  # the check alone ran
+    assert chunk_run.success and table_run.success and drifted_run.success  # a failed check is not a failed run
+    for run, name in ((chunk_run, "chunk_matches_source"), (table_run, "table_matches_source")):
+        [evaluation] = run.get_asset_check_evaluations()
+        assert evaluation.check_name == name and evaluation.passed, evaluation.description
+        metadata = {k: v.value for k, v in evaluation.metadata.items()}
+        assert metadata["source_rows"] == metadata["mirror_rows"] == rows
+        assert run.get_asset_materialization_events() == []  # the check alone ran
+    [chunk_evaluation] = chunk_run.get_asset_check_evaluations()
+    assert chunk_evaluation.metadata["source_checksum"].value == chunk_evaluation.metadata["mirror_checksum"].value
+    [table_evaluation] = table_run.get_asset_check_evaluations()
+    assert table_evaluation.metadata["chunks"].value == 1
+    assert table_evaluation.metadata["differing_chunks"].value == []
+    [drifted] = drifted_run.get_asset_check_evaluations()
+    assert not drifted.passed and drifted.metadata["differing_chunks"].value == [partition], drifted.description
+    assert f"region={first.region}" in drifted.description and "mirror=absent" in drifted.description
+    assert "Re-materialize those partitions" in drifted.description
