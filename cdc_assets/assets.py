@@ -38,15 +38,14 @@ from cdc_assets.engine.chunks import chunk_index, chunk_partition_key
 from cdc_assets.engine.faults import fault_point
 from cdc_assets.engine.lsn import format_lsn, parse_lsn
 from cdc_assets.lake.layout import UpkeepStep
+from cdc_assets.range_check import RangeCheck, check_range
 from cdc_assets.source import CdcSource, StreamReport
-from cdc_assets.table_check import check_table
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
 
 CHUNKS_PER_RUN = 4
 CHUNK_CHECK_NAME = "chunk_matches_source"
-TABLE_CHECK_NAME = "table_matches_source"
 # a retried step re-reads (snapshot: new attempt, new window) or re-applies idempotently (stream)
 RETRY = RetryPolicy(max_retries=3, delay=5)
 ACTIVE_RUN_STATUSES = [
@@ -110,7 +109,12 @@ def build_table_asset(source: SourceConfig, qualified_name: str) -> AssetsDefini
 
 
 def build_consistency_check(source: SourceConfig, qualified_name: str) -> AssetChecksDefinition:
-    """Per-chunk check: source and mirror hold the same rows (count and checksum) at a consistent point."""
+    """Per-chunk check: source and mirror hold the same rows (count and checksum) at a consistent point. A run of one
+    partition checks that chunk; a run of a partition range (the consistency sweep: every chunk; a backfill of
+    several chunks, which runs the asset's checks too) checks every chunk of the range, ``checks.chunks_per_window``
+    per watermark window, and records one evaluation naming the differing chunks (Dagster gives an evaluation one
+    partition or none, so a range's evaluation has none)."""
+    per_window = source.checks.chunks_per_window
 
     @asset_check(
         asset=table_asset_key(source.name, qualified_name),
@@ -121,13 +125,17 @@ def build_consistency_check(source: SourceConfig, qualified_name: str) -> AssetC
         description=(
             "Row count and checksum of the chunk's key range, computed by PostgreSQL and by Spark over the mirror, in "
             "a watermark window (keys that concurrent transactions touch are left out). Repair a failing chunk by "
-            "re-materializing its partition."
+            "re-materializing its partition. A partition range is checked whole (one evaluation naming the chunks "
+            "that differ)."
         ),
     )
     def chunk_matches_source(context: AssetCheckExecutionContext) -> AssetCheckResult:
         cdc = context.resources.cdc
         pipeline = cdc.pipeline(source.name)
         table = pipeline.tables[qualified_name]
+        if not context.has_partition_key:
+            indexes = [chunk_index(key) for key in context.partition_keys]
+            return range_check_result(check_range(pipeline, cdc.spark(), table, indexes, per_window), per_window)
         (result,) = pipeline.check_chunks(cdc.spark(), table, [chunk_index(context.partition_key)])
         metadata = {
             "chunk": context.partition_key,
@@ -154,55 +162,39 @@ def build_consistency_check(source: SourceConfig, qualified_name: str) -> AssetC
     return chunk_matches_source
 
 
-def build_table_consistency_check(source: SourceConfig, qualified_name: str) -> AssetChecksDefinition:
-    """Whole-table check: every chunk compared as ``chunk_matches_source`` does, ``checks.chunks_per_window`` chunks
-    per watermark window, in one run (one Spark driver); the consistency sweep runs it."""
-    per_window = source.checks.chunks_per_window
-
-    @asset_check(
-        asset=table_asset_key(source.name, qualified_name),
-        name=TABLE_CHECK_NAME,
-        required_resource_keys={"cdc"},
-        blocking=False,
-        description=(
-            f"Every chunk of {qualified_name} compared with the source as chunk_matches_source does, {per_window} "
-            "chunks per watermark window. Fails naming the chunks that differ: re-materialize those partitions."
-        ),
+def range_check_result(result: RangeCheck, per_window: int) -> AssetCheckResult:
+    """The evaluation of a partition range: failed naming the differing chunks, a warning when some stayed
+    inconclusive, passed when every chunk matched."""
+    keys = [chunk_partition_key(c.chunk) for c in result.chunks]
+    differing = [chunk_partition_key(i) for i in result.differing]
+    inconclusive = [chunk_partition_key(i) for i in result.inconclusive]
+    source_rows, mirror_rows = result.rows()
+    metadata = {
+        "chunks": MetadataValue.text(f"{keys[0]}..{keys[-1]} ({len(keys)})" if keys else "none"),
+        "chunks_per_window": per_window,
+        "differing_chunks": MetadataValue.json(differing),
+        "inconclusive_chunks": MetadataValue.json(inconclusive),
+        "source_rows": source_rows,
+        "mirror_rows": mirror_rows,
+    }
+    first = result.first_difference()
+    if first:
+        metadata["first_difference"] = MetadataValue.text(first[:2000])
+    if differing:
+        description = (
+            f"{result.table}: {len(differing)} of {len(keys)} chunks differ from the source: {', '.join(differing)}. "
+            f"Re-materialize those partitions to repair. {first}"
+        )
+        return AssetCheckResult(passed=False, metadata=metadata, description=description[:4000])
+    if inconclusive:
+        reasons = sorted({c.reason or "" for c in result.chunks if not c.conclusive})
+        return AssetCheckResult(
+            passed=False, severity=AssetCheckSeverity.WARN, metadata=metadata,
+            description=f"{result.table}: inconclusive for {', '.join(inconclusive)}: {'; '.join(reasons)}",
+        )  # fmt: skip
+    return AssetCheckResult(
+        passed=True, metadata=metadata, description=f"{result.table}: all {len(keys)} chunks match the source"
     )
-    def table_matches_source(context: AssetCheckExecutionContext) -> AssetCheckResult:
-        cdc = context.resources.cdc
-        pipeline = cdc.pipeline(source.name)
-        result = check_table(pipeline, cdc.spark(), pipeline.tables[qualified_name], per_window)
-        differing = [chunk_partition_key(i) for i in result.differing]
-        inconclusive = [chunk_partition_key(i) for i in result.inconclusive]
-        source_rows, mirror_rows = result.rows()
-        metadata = {
-            "chunks": len(result.chunks),
-            "chunks_per_window": per_window,
-            "differing_chunks": MetadataValue.json(differing),
-            "inconclusive_chunks": MetadataValue.json(inconclusive),
-            "source_rows": source_rows,
-            "mirror_rows": mirror_rows,
-        }
-        first = result.first_difference()
-        if first:
-            metadata["first_difference"] = MetadataValue.text(first[:2000])
-        if differing:
-            description = (
-                f"{qualified_name}: {len(differing)} of {len(result.chunks)} chunks differ from the source: "
-                f"{', '.join(differing)}. Re-materialize those partitions to repair. {first}"
-            )
-            return AssetCheckResult(passed=False, metadata=metadata, description=description[:4000])
-        if inconclusive:
-            reasons = sorted({c.reason or "" for c in result.chunks if not c.conclusive})
-            return AssetCheckResult(
-                passed=False, severity=AssetCheckSeverity.WARN, metadata=metadata,
-                description=f"{qualified_name}: inconclusive for {', '.join(inconclusive)}: {'; '.join(reasons)}",
-            )  # fmt: skip
-        description = f"{qualified_name}: all {len(result.chunks)} chunks match the source"
-        return AssetCheckResult(passed=True, metadata=metadata, description=description)
-
-    return table_matches_source
 
 
 def build_stream_asset(source: SourceConfig, table_names: list[str]) -> AssetsDefinition:

@@ -17,7 +17,6 @@ from cdc_assets.assets import (
     build_consistency_check,
     build_stream_asset,
     build_table_asset,
-    build_table_consistency_check,
     stream_asset_key,
     stream_job_name,
 )
@@ -48,8 +47,8 @@ def build_definitions(config_path: str | os.PathLike[str]) -> Definitions:
         names = captured_table_names(config, source)
         assets += [build_table_asset(source, name) for name in names]
         checks += [build_consistency_check(source, name) for name in names]
-        checks += [build_table_consistency_check(source, name) for name in names]
-        jobs += [build_chunk_check_job(source.name, name) for name in names]
+        check_jobs = {name: build_chunk_check_job(source.name, name) for name in names}
+        jobs += check_jobs.values()
         assets.append(build_stream_asset(source, names))
         stream_job = define_asset_job(stream_job_name(source.name), selection=[stream_asset_key(source.name)])
         jobs += [stream_job, build_change_offset_job(source.name)]
@@ -57,7 +56,9 @@ def build_definitions(config_path: str | os.PathLike[str]) -> Definitions:
         if names:
             sensors.append(build_planner_sensor(source.name, names))
         if source.checks.cron is not None:
-            schedules += [build_consistency_sweep(source.name, name, source.checks.cron) for name in names]
+            schedules += [
+                build_consistency_sweep(source.name, name, check_jobs[name], source.checks.cron) for name in names
+            ]
     return Definitions(
         assets=assets,
         asset_checks=checks,

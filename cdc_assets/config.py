@@ -103,10 +103,10 @@ class StreamConfig:
 
 @dataclass(frozen=True)
 class ChecksConfig:
-    # the consistency sweep: every chunk of every captured table checked (asset check ``table_matches_source``, one
-    # run per table) on this cron schedule, in UTC; None ("off"): no sweep (run the checks yourself)
+    # the consistency sweep: every chunk of every captured table checked (asset check ``chunk_matches_source`` over
+    # the range of all chunks, one run per table) on this cron schedule, in UTC; None ("off"): no sweep
     cron: str | None = "0 3 * * *"
-    # chunks compared in one watermark window (one source transaction, one wait for the stream) by the table check
+    # chunks compared in one watermark window (one source transaction, one wait for the stream) by a range run
     chunks_per_window: int = 8
 
 

@@ -4,7 +4,8 @@ Contract: ``check_chunks(pipeline, spark, table, indexes)`` (several chunks of a
 watermark window like a snapshot: low watermark; in one ``REPEATABLE READ, READ ONLY`` transaction PostgreSQL
 computes the chunk's row count and checksum (the sum of ``row_digest.source_row_digest`` over the key range); high
 watermark. It then waits until the stream has applied everything up to the high watermark (the slot's
-``confirmed_flush_lsn`` passed it, or ``wait_seconds`` expire: then the result is inconclusive, never a false alarm;
+``confirmed_flush_lsn`` passed it and no snapshot window of a checked chunk closing at or below it is still open in
+the window log; or ``wait_seconds`` expire: then the result is inconclusive, never a false alarm;
 meanwhile a marker, ``SourceLake.mark_check_waiting``, makes ``pending_work`` ask for a batch, so a source nobody
 writes to is checked too), and compares with the same count and checksum computed on Spark over the mirror's key
 range (``mirror_row_digest``) on the columns the catalog lists after the low watermark (a column no write has
@@ -36,6 +37,8 @@ from pyspark.sql.types import DataType
 from cdc_assets.engine.chunks import Chunk
 from cdc_assets.engine.pg_values import UNREPRESENTABLE_COLUMN, spark_schema
 from cdc_assets.engine.watermark import LowWatermark
+from cdc_assets.engine.windows import open_windows
+from cdc_assets.lake import windows as window_log
 from cdc_assets.lake.layout import TablePaths
 from cdc_assets.lake.mirror import _key_struct, _range_condition, _unsettled, q
 from cdc_assets.lake.row_digest import (
@@ -121,9 +124,14 @@ def check_chunks(
             token = uuid.uuid4().hex
             pipeline.lake.mark_check_waiting(token, high_watermark)
             try:
-                while stream.slot_position(conn, pipeline.source.slot)[0] < high_watermark:
-                    if time.monotonic() > deadline:
+                while True:
+                    if stream.slot_position(conn, pipeline.source.slot)[0] < high_watermark:
                         reason = "the stream has not applied the check's high watermark yet"
+                    elif unreconciled := _unreconciled_windows(spark, pipeline, table, indexes, high_watermark):
+                        reason = f"the snapshot windows of chunks {unreconciled} are not reconciled yet"
+                    else:
+                        break
+                    if time.monotonic() > deadline:
                         return [_inconclusive(table, i, reason) for i in indexes]
                     time.sleep(1)
             finally:
@@ -133,6 +141,20 @@ def check_chunks(
         finally:
             if not reader.broken:
                 reader.execute("rollback")
+
+
+def _unreconciled_windows(
+    spark: SparkSession, pipeline: PostgresPipeline, table: CapturedTable, indexes: Sequence[int], high_watermark: int
+) -> list[int]:
+    """Checked chunks whose staged snapshot window closes at or below the check's high watermark but is not
+    reconciled yet. The slot having passed the high watermark does not say the stream reconciled them: on a
+    source nobody writes to, the WAL does not move, so a batch that read the window log before the window was
+    recorded can end at the very position the check takes as its high watermark."""
+    wanted = set(indexes)
+    return sorted(
+        w.chunk for w in open_windows(window_log.read_events(spark, pipeline.lake.windows))
+        if w.table == table.qualified_name and w.chunk in wanted and w.hw <= high_watermark
+    )  # fmt: skip
 
 
 def _inconclusive(table: CapturedTable, index: int, reason: str) -> ChunkCheck:

@@ -91,7 +91,7 @@ def test_consistency_sweep_cron() -> None:
         parse(with_checks({"every": "day"}))
 
 
-def test_chunks_per_window_of_the_table_check() -> None:
+def test_chunks_per_window_of_a_range_check() -> None:
     assert parse(BASE).source("demo").checks.chunks_per_window == 8
     assert parse(with_checks({"chunks_per_window": 3, "cron": "off"})).source("demo").checks.chunks_per_window == 3
     for bad in (0, -2, "many", 1.5):

@@ -30,7 +30,7 @@ from cdc_assets.engine.lsn import parse_lsn
 from cdc_assets.lake.layout import SourceLake
 from cdc_assets.offsets import OffsetError, validate_postgres_offset
 from cdc_assets.postgres.stream import slot_position
-from sensors.consistency import check_job_name, sweep_name, table_check_job_name
+from sensors.consistency import RANGE_END_TAG, RANGE_START_TAG, check_job_name, sweep_name
 from tests.integration.support import PG_PORT, READER_PASSWORD, create_source, drop_source
 
 DATABASE = "pipe_defs"
@@ -80,9 +80,8 @@ def test_definitions_build_with_tables_sensors_and_jobs(config_path) -> None:
     }
     check_keys = {key for checks in defs.asset_checks for key in checks.check_keys}
     assert {(k.asset_key, k.name) for k in check_keys} == {
-        (AssetKey(["defs", "public", name]), check) for name in tables
-        for check in ("chunk_matches_source", "table_matches_source")
-    }  # fmt: skip
+        (AssetKey(["defs", "public", name]), "chunk_matches_source") for name in tables
+    }
 
 
 def test_dagster_cli_validates_the_code_location(config_path) -> None:
@@ -272,42 +271,98 @@ def test_planner_reads_every_chunk_again_when_a_column_with_a_default_is_added(c
             admin.execute("alter table docs drop column if exists plain, drop column if exists shade")
 
 
-def test_consistency_sweep_requests_one_table_check_run_per_tick(config_path) -> None:
+def test_consistency_sweep_requests_one_check_run_over_every_chunk_per_tick(config_path) -> None:
     """A schedule per captured table (``checks.cron``, default daily 03:00 UTC) requests one run of the table's
-    check job per tick, once (run key), behind other runs; the job holds the whole-table check and no asset."""
+    check job per tick, once (run key), behind other runs, over the partition range from the first chunk to the
+    last; the job holds the chunk check and no asset."""
     from cdc_assets.assets import chunk_partitions, table_asset_key
 
     path, _ = config_path
     defs = build_definitions(path)
-    name = table_check_job_name("defs", "public.pairs")
+    name = check_job_name("defs", "public.pairs")
     sweep = defs.resolve_schedule_def(sweep_name("defs", "public.pairs"))
     assert (sweep.cron_schedule, sweep.execution_timezone, sweep.job_name) == ("0 3 * * *", "UTC", name)
     assert {s.name for s in defs.schedules} == {sweep_name("defs", f"public.{t}") for t in ("items", "pairs", "docs")}
     job = defs.resolve_job_def(name)
     assert job.asset_layer.executable_asset_keys == set()  # the check alone: nothing is materialized
     assert [k.name for k in job.asset_layer.asset_graph.asset_check_keys if k.asset_key == table_asset_key(
-        "defs", "public.pairs")] == ["table_matches_source"]  # fmt: skip
+        "defs", "public.pairs")] == ["chunk_matches_source"]  # fmt: skip
     at = datetime(2026, 11, 25, 3, tzinfo=UTC)
     with instance_for_test() as instance:  # a schedule's context needs a persistent instance
         with build_schedule_context(instance=instance, scheduled_execution_time=at) as context:
             assert sweep.evaluate_tick(context).run_requests == []  # no partitions yet: a skip, not an error
-        keys = [chunk_partition_key(i) for i in range(3)]
+        keys = [chunk_partition_key(i) for i in (2, 0, 1)]
         instance.add_dynamic_partitions(chunk_partitions("defs", "public.pairs").name, keys)
         with build_schedule_context(instance=instance, scheduled_execution_time=at) as context:
             [request] = sweep.evaluate_tick(context).run_requests
     assert request.run_key == at.isoformat() and "dagster/partition" not in request.tags
+    assert (request.tags[RANGE_START_TAG], request.tags[RANGE_END_TAG]) == (
+        chunk_partition_key(0),
+        chunk_partition_key(2),
+    )
     assert request.tags["dagster/priority"] == "-1"  # behind stream and snapshot runs
 
 
-def test_chunk_and_table_checks_run_as_dagster_asset_checks_and_name_a_drifted_chunk(config_path, spark) -> None:
-    """The asset checks as a user and the sweep run them, while the stream runs beside them: the per-chunk check
-    (its job, with a partition tag) and the sweep's whole-table check find the pairs mirror (filled by the stream
-    tests above) equal to its source, with the counts and both checksums in the metadata; after a row is deleted
-    from the mirror, the table check fails naming that chunk. Runs last in the module: its stream thread moves the
-    slot outside any Dagster run, and it leaves the mirror drifted."""
+def test_a_backfill_of_several_chunks_and_the_sweep_check_every_chunk_of_their_range(config_path, spark) -> None:
+    """A backfill of several chunks runs the table asset's checks in its range run (Dagster includes every check of
+    a backfilled asset). The chunk check used to fail such a run ("Cannot access partition_key for a partitioned run
+    with a range of partitions"; found in the demo by backfilling two chunks): it now checks every chunk of the
+    range once the stream has reconciled them. The sweep's range run over a drifted mirror names the chunk."""
     from delta.tables import DeltaTable
     from pyspark.sql import functions as F
 
+    from cdc_assets.assets import chunk_partitions, table_asset_key
+    from cdc_assets.config import load_config
+    from cdc_assets.lake.pipeline import PostgresPipeline
+    from tests.integration.test_consistency import Streamer
+
+    path, admin_dsn = config_path
+    with psycopg.connect(f"{admin_dsn} dbname={DATABASE}", autocommit=True) as admin:
+        admin.execute("create table wide (id bigint primary key, label text)")
+        admin.execute("insert into wide select g, 'w' || g from generate_series(1, 250) g")
+        admin.execute("grant select on wide to pipe_defs_reader")
+        admin.execute("alter publication pipe_defs add table wide")
+    config = load_config(path)
+    pipeline = PostgresPipeline(config, config.sources[0])
+    wide = pipeline.prepare()["public.wide"]
+    keys = [chunk_partition_key(i) for i in range(len(pipeline.plan(wide).chunks))]
+    assert len(keys) == 3  # 250 rows, chunk_size 100
+    defs = build_definitions(path)
+    instance = DagsterInstance.ephemeral()
+    instance.add_dynamic_partitions(chunk_partitions("defs", "public.wide").name, keys)
+    whole_range = {RANGE_START_TAG: keys[0], RANGE_END_TAG: keys[-1]}
+    streamer = Streamer(pipeline, spark, None)
+    streamer.start()
+    try:
+        backfill_run = defs.resolve_implicit_global_asset_job_def().execute_in_process(
+            instance=instance, asset_selection=[table_asset_key("defs", "public.wide")], tags=whole_range,
+            raise_on_error=False,
+        )  # fmt: skip
+        mirror = pipeline.lake.table("public.wide").mirror
+        DeltaTable.forPath(spark, mirror).delete(F.col("id") == 150)  # chunk 1: [100, 200)
+        sweep_run = defs.resolve_job_def(check_job_name("defs", "public.wide")).execute_in_process(
+            instance=instance, tags=whole_range, raise_on_error=False
+        )
+    finally:
+        streamer.finish()
+    assert backfill_run.success and sweep_run.success  # a failed check is not a failed run
+    assert len(backfill_run.get_asset_materialization_events()) == 3  # one per chunk
+    [after_backfill] = backfill_run.get_asset_check_evaluations()
+    assert after_backfill.passed, after_backfill.description
+    metadata = {k: v.value for k, v in after_backfill.metadata.items()}
+    assert metadata["source_rows"] == metadata["mirror_rows"] == 250 and metadata["differing_chunks"] == []
+    assert metadata["chunks"] == f"{keys[0]}..{keys[-1]} (3)"
+    [drifted] = sweep_run.get_asset_check_evaluations()
+    assert not drifted.passed and drifted.metadata["differing_chunks"].value == [keys[1]], drifted.description
+    assert "key (id=150)" in drifted.description and "mirror=absent" in drifted.description
+    assert "Re-materialize those partitions" in drifted.description
+
+
+def test_chunk_check_runs_as_a_dagster_asset_check_and_reports_the_database_side_checksum(config_path, spark) -> None:
+    """The asset check as a user runs it for one chunk again (its job, the partition tag a launched run carries),
+    while the stream runs beside it: the pairs mirror (filled by the stream tests above) matches its source, with
+    the counts and both checksums in the metadata. Runs last in the module: its stream thread moves the slot outside
+    any Dagster run."""
     from cdc_assets.assets import chunk_partitions
     from cdc_assets.config import load_config
     from cdc_assets.lake.pipeline import PostgresPipeline
@@ -318,6 +373,7 @@ def test_chunk_and_table_checks_run_as_dagster_asset_checks_and_name_a_drifted_c
         (rows,) = admin.execute("select count(*) from pairs").fetchone()
     assert rows >= 7  # written by the stream tests above
     defs = build_definitions(path)
+    job = defs.resolve_job_def(check_job_name("defs", "public.pairs"))
     partition = chunk_partition_key(0)
     instance = DagsterInstance.ephemeral()
     instance.add_dynamic_partitions(chunk_partitions("defs", "public.pairs").name, [partition])
@@ -325,34 +381,18 @@ def test_chunk_and_table_checks_run_as_dagster_asset_checks_and_name_a_drifted_c
     pipeline = PostgresPipeline(config, config.sources[0])
     pipeline.prepare()
     assert len(pipeline.plan(pipeline.tables["public.pairs"]).chunks) == 1
-    chunk_job = defs.resolve_job_def(check_job_name("defs", "public.pairs"))
-    table_job = defs.resolve_job_def(table_check_job_name("defs", "public.pairs"))
     streamer = Streamer(pipeline, spark, None)
     streamer.start()
     try:
         # a check-only selection has no asset to take the partitions from, so execute_in_process(partition_key=)
         # refuses it; the partition tag is what a launched run of the check carries
-        chunk_run = chunk_job.execute_in_process(instance=instance, tags={"dagster/partition": partition})
-        table_run = table_job.execute_in_process(instance=instance)
-        mirror = pipeline.lake.table("public.pairs").mirror
-        first = spark.read.format("delta").load(mirror).orderBy("region", "code").first()
-        DeltaTable.forPath(spark, mirror).delete((F.col("region") == first.region) & (F.col("code") == first.code))
-        drifted_run = table_job.execute_in_process(instance=instance, raise_on_error=False)
+        result = job.execute_in_process(instance=instance, tags={"dagster/partition": partition})
     finally:
         streamer.finish()
-    assert chunk_run.success and table_run.success and drifted_run.success  # a failed check is not a failed run
-    for run, name in ((chunk_run, "chunk_matches_source"), (table_run, "table_matches_source")):
-        [evaluation] = run.get_asset_check_evaluations()
-        assert evaluation.check_name == name and evaluation.passed, evaluation.description
-        metadata = {k: v.value for k, v in evaluation.metadata.items()}
-        assert metadata["source_rows"] == metadata["mirror_rows"] == rows
-        assert run.get_asset_materialization_events() == []  # the check alone ran
-    [chunk_evaluation] = chunk_run.get_asset_check_evaluations()
-    assert chunk_evaluation.metadata["source_checksum"].value == chunk_evaluation.metadata["mirror_checksum"].value
-    [table_evaluation] = table_run.get_asset_check_evaluations()
-    assert table_evaluation.metadata["chunks"].value == 1
-    assert table_evaluation.metadata["differing_chunks"].value == []
-    [drifted] = drifted_run.get_asset_check_evaluations()
-    assert not drifted.passed and drifted.metadata["differing_chunks"].value == [partition], drifted.description
-    assert f"region={first.region}" in drifted.description and "mirror=absent" in drifted.description
-    assert "Re-materialize those partitions" in drifted.description
+    assert result.success
+    [evaluation] = result.get_asset_check_evaluations()
+    assert evaluation.passed, evaluation.description
+    metadata = {k: v.value for k, v in evaluation.metadata.items()}
+    assert metadata["chunk"] == partition and metadata["source_rows"] == metadata["mirror_rows"] == rows
+    assert metadata["source_checksum"] == metadata["mirror_checksum"] != "0"
+    assert result.get_asset_materialization_events() == []  # the check alone ran

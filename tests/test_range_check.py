@@ -1,5 +1,5 @@
-"""``check_table`` on hand-built chunk results: windows of ``chunks_per_window`` chunks in chunk order, inconclusive
-windows checked again after the others, and what the result names (differing and inconclusive chunks)."""
+"""``check_range`` on hand-built chunk results: windows of ``chunks_per_window`` chunks in the order given,
+inconclusive chunks checked again after the others, and what the result names (differing and inconclusive chunks)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,8 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from cdc_assets.engine.chunks import Chunk, ChunkPlan
 from cdc_assets.lake.consistency import ChunkCheck
-from cdc_assets.table_check import check_table, windows
+from cdc_assets.range_check import check_range, windows
 
 
 @dataclass(frozen=True)
@@ -23,15 +22,8 @@ class Table:
 class HandBuiltChecks:
     """A source whose ``check_chunks`` answers from a script: chunk -> results of its successive checks."""
 
-    chunk_count: int
     script: dict[int, list[str]] = field(default_factory=dict)  # "match", "differ" or "inconclusive"
     windows_asked: list[list[int]] = field(default_factory=list)
-
-    def plan(self, table: Table) -> ChunkPlan:
-        last = self.chunk_count - 1
-        chunks = [Chunk(i, None if i == 0 else (str(i * 10),), None if i == last else (str(i * 10 + 10),))
-                  for i in range(self.chunk_count)]  # fmt: skip
-        return ChunkPlan(table.qualified_name, ("id",), tuple(chunks))
 
     def check_chunks(self, spark: object, table: Table, indexes: Sequence[int], wait_seconds: float = 120):
         self.windows_asked.append(list(indexes))
@@ -56,8 +48,8 @@ def test_windows_keep_chunk_order_and_refuse_a_bad_size() -> None:
 
 
 def test_every_chunk_is_checked_in_windows_and_differing_chunks_are_named() -> None:
-    source = HandBuiltChecks(7, {2: ["differ"], 5: ["differ"]})
-    result = check_table(source, None, Table(), chunks_per_window=3)
+    source = HandBuiltChecks({2: ["differ"], 5: ["differ"]})
+    result = check_range(source, None, Table(), range(7), chunks_per_window=3)
     assert source.windows_asked == [[0, 1, 2], [3, 4, 5], [6]]
     assert [c.chunk for c in result.chunks] == list(range(7))
     assert result.differing == [2, 5] and result.inconclusive == [] and not result.matches
@@ -66,9 +58,11 @@ def test_every_chunk_is_checked_in_windows_and_differing_chunks_are_named() -> N
 
 
 def test_an_inconclusive_window_is_checked_again_after_the_others() -> None:
-    source = HandBuiltChecks(5, {1: ["inconclusive", "match"], 3: ["inconclusive", "inconclusive"]})
-    result = check_table(source, None, Table(), chunks_per_window=2, rounds=2)
+    source = HandBuiltChecks({1: ["inconclusive", "match"], 3: ["inconclusive", "inconclusive"]})
+    result = check_range(source, None, Table(), [0, 1, 2, 3, 4], chunks_per_window=2, rounds=2)
     assert source.windows_asked == [[0, 1], [2, 3], [4], [1, 3]]
     assert result.inconclusive == [3] and result.differing == [] and not result.matches
     assert result.rows() == (40, 40)  # the inconclusive chunk is not counted
-    assert check_table(HandBuiltChecks(4), None, Table(), chunks_per_window=8).matches
+    assert check_range(HandBuiltChecks(), None, Table(), [2, 3], chunks_per_window=8).matches
+    with pytest.raises(ValueError, match="chunks_per_window"):
+        check_range(source, None, Table(), [0], chunks_per_window=0)

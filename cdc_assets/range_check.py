@@ -1,12 +1,12 @@
-"""The consistency check of a whole table: every chunk of its plan, a few chunks per watermark window.
+"""The consistency check of a range of chunks (up to a whole table), a few chunks per watermark window.
 
-Contract: ``check_table(source, spark, table, chunks_per_window)`` checks every chunk of ``source.plan(table)``
-with ``source.check_chunks``, ``chunks_per_window`` chunks in each window (one source transaction and one wait for
-the stream per window), in chunk order. A window found inconclusive (the stream had not passed its high watermark,
-a TRUNCATE ran) is checked again, in a new window, after the others: at most ``rounds`` times in all. It returns a
-``TableCheck``: one ``ChunkCheck`` per chunk and what a user needs to act on (which chunks differ and must be
-re-materialized, which are still inconclusive). It writes nothing but what ``check_chunks`` writes, and is the same
-for every source kind: only ``check_chunks`` knows the database.
+Contract: ``check_range(source, spark, table, indexes, chunks_per_window)`` checks the chunks ``indexes`` of
+``table`` with ``source.check_chunks``, ``chunks_per_window`` chunks in each window (one source transaction and one
+wait for the stream per window), in the order given. A chunk found inconclusive (the stream had not passed its
+window's high watermark, a TRUNCATE ran) is checked again, in a new window, after the others: at most ``rounds``
+times in all. It returns a ``RangeCheck``: one ``ChunkCheck`` per chunk and what a user needs to act on (which
+chunks differ and must be re-materialized, which are still inconclusive). It writes nothing but what
+``check_chunks`` writes, and is the same for every source kind: only ``check_chunks`` knows the database.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True)
-class TableCheck:
+class RangeCheck:
     table: str
     chunks: tuple[ChunkCheck, ...]
 
@@ -61,14 +61,14 @@ def windows(indexes: Sequence[int], per_window: int) -> list[list[int]]:
     return [list(indexes[i : i + per_window]) for i in range(0, len(indexes), per_window)]
 
 
-def check_table(
-    source: CdcSource[Any], spark: SparkSession, table: Any, chunks_per_window: int, wait_seconds: float = 120,
-    rounds: int = 2,
-) -> TableCheck:  # fmt: skip
-    """Every chunk of ``table`` checked (see the module docstring)."""
-    count = len(source.plan(table).chunks)
+def check_range(
+    source: CdcSource[Any], spark: SparkSession, table: Any, indexes: Sequence[int], chunks_per_window: int,
+    wait_seconds: float = 120, rounds: int = 2,
+) -> RangeCheck:  # fmt: skip
+    """The chunks ``indexes`` of ``table`` checked (see the module docstring)."""
+    windows(indexes, chunks_per_window)  # a bad window size is refused before any window opens
     results: dict[int, ChunkCheck] = {}
-    pending = list(range(count))
+    pending = list(indexes)
     for _ in range(rounds):
         for window in windows(pending, chunks_per_window):
             for result in source.check_chunks(spark, table, window, wait_seconds):
@@ -76,4 +76,4 @@ def check_table(
         pending = [i for i in pending if not results[i].conclusive]
         if not pending:
             break
-    return TableCheck(table.qualified_name, tuple(results[i] for i in range(count)))
+    return RangeCheck(table.qualified_name, tuple(results[i] for i in indexes))
