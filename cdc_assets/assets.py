@@ -10,10 +10,12 @@ keeps its Spark session across batches for ``stream.run_seconds``, so a batch do
 import time
 from collections.abc import Iterator
 from dataclasses import asdict
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from dagster import (
+    AssetCheckEvaluation,
     AssetCheckExecutionContext,
+    AssetCheckKey,
     AssetCheckResult,
     AssetChecksDefinition,
     AssetCheckSeverity,
@@ -43,6 +45,8 @@ from cdc_assets.source import CdcSource, StreamReport
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
+
+    from cdc_assets.lake.consistency import ChunkCheck
 
 CHUNKS_PER_RUN = 4
 CHUNK_CHECK_NAME = "chunk_matches_source"
@@ -112,8 +116,8 @@ def build_consistency_check(source: SourceConfig, qualified_name: str) -> AssetC
     """Per-chunk check: source and mirror hold the same rows (count and checksum) at a consistent point. A run of one
     partition checks that chunk; a run of a partition range (the consistency sweep: every chunk; a backfill of
     several chunks, which runs the asset's checks too) checks every chunk of the range, ``checks.chunks_per_window``
-    per watermark window, and records one evaluation naming the differing chunks (Dagster gives an evaluation one
-    partition or none, so a range's evaluation has none)."""
+    per watermark window, and records an evaluation per chunk partition plus one for the range (no partition)
+    naming the differing chunks."""
     per_window = source.checks.chunks_per_window
 
     @asset_check(
@@ -125,41 +129,53 @@ def build_consistency_check(source: SourceConfig, qualified_name: str) -> AssetC
         description=(
             "Row count and checksum of the chunk's key range, computed by PostgreSQL and by Spark over the mirror, in "
             "a watermark window (keys that concurrent transactions touch are left out). Repair a failing chunk by "
-            "re-materializing its partition. A partition range is checked whole (one evaluation naming the chunks "
-            "that differ)."
+            "re-materializing its partition. A run of a partition range checks every chunk of it (an evaluation per "
+            "chunk, and one for the range naming the chunks that differ)."
         ),
     )
-    def chunk_matches_source(context: AssetCheckExecutionContext) -> AssetCheckResult:
+    def chunk_matches_source(context: AssetCheckExecutionContext) -> Iterator[AssetCheckEvaluation | AssetCheckResult]:
         cdc = context.resources.cdc
         pipeline = cdc.pipeline(source.name)
         table = pipeline.tables[qualified_name]
-        if not context.has_partition_key:
-            indexes = [chunk_index(key) for key in context.partition_keys]
-            return range_check_result(check_range(pipeline, cdc.spark(), table, indexes, per_window), per_window)
-        (result,) = pipeline.check_chunks(cdc.spark(), table, [chunk_index(context.partition_key)])
-        metadata = {
-            "chunk": context.partition_key,
-            "source_rows": result.source_rows,
-            "mirror_rows": result.mirror_rows,
-            "source_checksum": result.source_checksum,
-            "mirror_checksum": result.mirror_checksum,
-            "excluded_keys": result.excluded_keys,
-        }
-        if result.first_difference:
-            metadata["first_difference"] = MetadataValue.text(result.first_difference[:2000])
-        if not result.conclusive:
-            return AssetCheckResult(
-                passed=False, severity=AssetCheckSeverity.WARN, metadata=metadata,
-                description=f"{qualified_name} {context.partition_key}: inconclusive: {result.reason}",
+        check_key = AssetCheckKey(table_asset_key(source.name, qualified_name), CHUNK_CHECK_NAME)
+        if context.has_partition_key:
+            (result,) = pipeline.check_chunks(cdc.spark(), table, [chunk_index(context.partition_key)])
+            yield AssetCheckResult(**chunk_evaluation(qualified_name, result))
+            return
+        indexes = [chunk_index(key) for key in context.partition_keys]
+        checked = check_range(pipeline, cdc.spark(), table, indexes, per_window)
+        for result in checked.chunks:  # each partition's own evaluation (its status in the UI)
+            yield AssetCheckEvaluation(
+                asset_key=check_key.asset_key, check_name=check_key.name, partition=chunk_partition_key(result.chunk),
+                **chunk_evaluation(qualified_name, result),
             )  # fmt: skip
-        description = (
-            f"{qualified_name} {context.partition_key}: "
-            + ("mirror matches source" if result.matches else f"mirror differs from source; {result.reason or ''} "
-               f"{result.first_difference or ''} Re-materialize partition {context.partition_key} to repair.")
-        )  # fmt: skip
-        return AssetCheckResult(passed=result.matches, metadata=metadata, description=description)
+        yield range_check_result(checked, per_window)
 
     return chunk_matches_source
+
+
+def chunk_evaluation(qualified_name: str, result: "ChunkCheck") -> dict[str, Any]:
+    """The evaluation fields of one chunk's result: passed, severity (a warning when inconclusive), metadata
+    (counts, both checksums, the first difference) and a description saying how to repair."""
+    key = chunk_partition_key(result.chunk)
+    metadata: dict[str, Any] = {
+        "chunk": key,
+        "source_rows": result.source_rows,
+        "mirror_rows": result.mirror_rows,
+        "source_checksum": result.source_checksum,
+        "mirror_checksum": result.mirror_checksum,
+        "excluded_keys": result.excluded_keys,
+    }
+    if result.first_difference:
+        metadata["first_difference"] = MetadataValue.text(result.first_difference[:2000])
+    if not result.conclusive:
+        description = f"{qualified_name} {key}: inconclusive: {result.reason}"
+        return {"passed": False, "severity": AssetCheckSeverity.WARN, "metadata": metadata, "description": description}
+    description = f"{qualified_name} {key}: " + (
+        "mirror matches source" if result.matches else f"mirror differs from source; {result.reason or ''} "
+        f"{result.first_difference or ''} Re-materialize partition {key} to repair."
+    )  # fmt: skip
+    return {"passed": result.matches, "metadata": metadata, "description": description}
 
 
 def range_check_result(result: RangeCheck, per_window: int) -> AssetCheckResult:

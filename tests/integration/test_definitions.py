@@ -347,12 +347,18 @@ def test_a_backfill_of_several_chunks_and_the_sweep_check_every_chunk_of_their_r
         streamer.finish()
     assert backfill_run.success and sweep_run.success  # a failed check is not a failed run
     assert len(backfill_run.get_asset_materialization_events()) == 3  # one per chunk
-    [after_backfill] = backfill_run.get_asset_check_evaluations()
-    assert after_backfill.passed, after_backfill.description
+    # an evaluation per chunk partition (each partition's status), then one for the range
+    *per_chunk, after_backfill = backfill_run.get_asset_check_evaluations()
+    assert [(e.partition, e.passed) for e in per_chunk] == [(k, True) for k in keys]
+    assert after_backfill.partition is None and after_backfill.passed, after_backfill.description
     metadata = {k: v.value for k, v in after_backfill.metadata.items()}
     assert metadata["source_rows"] == metadata["mirror_rows"] == 250 and metadata["differing_chunks"] == []
     assert metadata["chunks"] == f"{keys[0]}..{keys[-1]} (3)"
-    [drifted] = sweep_run.get_asset_check_evaluations()
+    *per_chunk, drifted = sweep_run.get_asset_check_evaluations()
+    assert [(e.partition, e.passed) for e in per_chunk] == [(keys[0], True), (keys[1], False), (keys[2], True)]
+    assert (
+        "key (id=150)" in per_chunk[1].description and f"Re-materialize partition {keys[1]}" in per_chunk[1].description
+    )
     assert not drifted.passed and drifted.metadata["differing_chunks"].value == [keys[1]], drifted.description
     assert "key (id=150)" in drifted.description and "mirror=absent" in drifted.description
     assert "Re-materialize those partitions" in drifted.description
