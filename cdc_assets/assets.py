@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING, Any
 from dagster import (
     AssetCheckEvaluation,
     AssetCheckExecutionContext,
-    AssetCheckKey,
     AssetCheckResult,
     AssetChecksDefinition,
     AssetCheckSeverity,
@@ -137,7 +136,6 @@ def build_consistency_check(source: SourceConfig, qualified_name: str) -> AssetC
         cdc = context.resources.cdc
         pipeline = cdc.pipeline(source.name)
         table = pipeline.tables[qualified_name]
-        check_key = AssetCheckKey(table_asset_key(source.name, qualified_name), CHUNK_CHECK_NAME)
         if context.has_partition_key:
             (result,) = pipeline.check_chunks(cdc.spark(), table, [chunk_index(context.partition_key)])
             yield AssetCheckResult(**chunk_evaluation(qualified_name, result))
@@ -146,8 +144,8 @@ def build_consistency_check(source: SourceConfig, qualified_name: str) -> AssetC
         checked = check_range(pipeline, cdc.spark(), table, indexes, per_window)
         for result in checked.chunks:  # each partition's own evaluation (its status in the UI)
             yield AssetCheckEvaluation(
-                asset_key=check_key.asset_key, check_name=check_key.name, partition=chunk_partition_key(result.chunk),
-                **chunk_evaluation(qualified_name, result),
+                asset_key=table_asset_key(source.name, qualified_name), check_name=CHUNK_CHECK_NAME,
+                partition=chunk_partition_key(result.chunk), **chunk_evaluation(qualified_name, result),
             )  # fmt: skip
         yield range_check_result(checked, per_window)
 

@@ -66,7 +66,6 @@ def check_range(
     wait_seconds: float = 120, rounds: int = 2,
 ) -> RangeCheck:  # fmt: skip
     """The chunks ``indexes`` of ``table`` checked (see the module docstring)."""
-    windows(indexes, chunks_per_window)  # a bad window size is refused before any window opens
     results: dict[int, ChunkCheck] = {}
     pending = list(indexes)
     for _ in range(rounds):

@@ -3,7 +3,8 @@
 One schedule per captured table (``<source>__<schema>__<table>__consistency_sweep``). Each tick requests one run of
 the table's chunk check job (``check_job_name``) over the partition range from the first chunk to the last: the
 check compares every chunk, ``checks.chunks_per_window`` chunks per watermark window, in one run and one Spark
-driver, and records one evaluation naming the chunks that differ (``cdc_assets.assets.build_consistency_check``).
+driver, and records an evaluation per chunk partition and one for the range naming the chunks that differ
+(``cdc_assets.assets.build_consistency_check``).
 The check writes nothing; it waits for the stream to pass each window, so the stream must be running.
 Re-materializing the differing partitions repairs them; a run of the same job with one ``dagster/partition`` tag
 checks one chunk again. The source's ``checks.cron`` (UTC) sets the schedule; ``off`` builds no sweep. The run key
@@ -31,11 +32,11 @@ from cdc_assets.config import ConfigError
 if TYPE_CHECKING:
     from dagster._core.definitions.unresolved_asset_job_definition import UnresolvedAssetJobDefinition
 
+RANGE_START_TAG = "dagster/asset_partition_range_start"
+RANGE_END_TAG = "dagster/asset_partition_range_end"
 # below every other run in the queue: a check waits for the stream to pass its window, so a stream run (or a
 # snapshot) queued behind a day's worth of checks would make them inconclusive; the instance's
 # tag_concurrency_limits can bound how many run at once (dagster_home/dagster.yaml: one)
-RANGE_START_TAG = "dagster/asset_partition_range_start"
-RANGE_END_TAG = "dagster/asset_partition_range_end"
 SWEEP_TAGS = {"cdc/reason": "consistency sweep", "dagster/priority": "-1"}
 
 

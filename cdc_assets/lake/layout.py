@@ -104,11 +104,7 @@ class SourceLake:
         return self.control / "waiting" / f"{qualified_name}@{chunk:06d}.hw"
 
     def mark_waiting(self, qualified_name: str, chunk: int, high_watermark: int) -> None:
-        path = self._marker(qualified_name, chunk)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        temporary = path.with_suffix(".tmp")
-        temporary.write_text(str(high_watermark))
-        temporary.replace(path)
+        _write_marker(self._marker(qualified_name, chunk), high_watermark)
 
     def clear_waiting(self, qualified_name: str, chunk: int) -> None:
         self._marker(qualified_name, chunk).unlink(missing_ok=True)
@@ -127,11 +123,7 @@ class SourceLake:
         return markers
 
     def mark_check_waiting(self, token: str, high_watermark: int) -> None:
-        path = self.control / "waiting-checks" / f"{token}.hw"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        temporary = path.with_suffix(".tmp")
-        temporary.write_text(str(high_watermark))
-        temporary.replace(path)
+        _write_marker(self.control / "waiting-checks" / f"{token}.hw", high_watermark)
 
     def clear_check_waiting(self, token: str) -> None:
         (self.control / "waiting-checks" / f"{token}.hw").unlink(missing_ok=True)
@@ -166,3 +158,11 @@ class SourceLake:
                     path.unlink(missing_ok=True)
             except (ValueError, FileNotFoundError):
                 continue
+
+
+def _write_marker(path: Path, high_watermark: int) -> None:
+    """Write a marker file atomically (a reader never sees it half written)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_suffix(".tmp")
+    temporary.write_text(str(high_watermark))
+    temporary.replace(path)
