@@ -31,8 +31,11 @@ deterministic, so a seed fixes the workload's recipe, not its exact interleaving
    ``CDC_FAULT_SEED`` (snapshot: ``snapshot.before_window_record``; stream: ``stream.after_changelog``,
    ``stream.after_lake_commit``, ``stream.after_offset_record``, ``stream.during_maintenance``), so they are
    SIGKILLed at those points; a killed or failed run is re-run (as Dagster's retry policy would, up to 8
-   attempts). An **executor loss**: a Spark Python worker process of a snapshot worker is SIGKILLed while a chunk
-   read runs (Spark retries the task, or the run fails and is re-run). A **source restart**
+   attempts). A **run kill**: a busy chunk run (twice per seed) and the stream run (once) are SIGKILLed 0.3-6 s into
+   their work, wherever that is: a chunk run anywhere from opening its source to recording its windows (so also
+   inside its read-and-stage Spark job: rows read, staging commit not made), the stream run anywhere from its slot
+   read to its slot advance. An **executor loss**: a Spark Python worker process of a snapshot worker is SIGKILLed
+   while a chunk read runs (Spark retries the task, or the run fails and is re-run). A **source restart**
    (``TortureSource.restart``; PostgreSQL: ``scripts/pg.sh restart``) once mid-run (writers reconnect; runs fail
    and are re-run).
 5. **Checks**, after the workload stopped and the stream caught up (no waiting window, no change, lag 0): the
@@ -102,6 +105,8 @@ SNAPSHOT_POINTS = ("snapshot.before_window_record",)
 STREAM_POINTS = (
     "stream.after_changelog", "stream.after_lake_commit", "stream.after_offset_record", "stream.during_maintenance",
 )  # fmt: skip
+# SIGKILLs at a random moment of a busy run, per seed: chunk runs, stream runs
+RUN_KILLS = {"snapshot.killed_at_random": 2, "stream.killed_at_random": 1}
 # the stream worker compacts after every 4th batch and also vacuums after every 8th (production: at most every
 # stream.compact_seconds and stream.vacuum_seconds)
 COMPACT_EVERY, VACUUM_EVERY = 4, 8
@@ -504,8 +509,9 @@ class SeedRun:
                     f"seed {self.seed} {worker.name}: {brief} died ({death.cause}) "
                     f"after {time.monotonic() - began:.1f}s"
                 )
-                self.note_fault(death.cause if death.cause in (*SNAPSHOT_POINTS, *STREAM_POINTS) else "crash")
-                if death.cause not in (*SNAPSHOT_POINTS, *STREAM_POINTS):
+                injected = death.cause in (*SNAPSHOT_POINTS, *STREAM_POINTS, *RUN_KILLS)
+                self.note_fault(death.cause if injected else "crash")
+                if not injected:
                     self.errors.append(f"{worker.name}: died ({death.cause})")
             except TaskFailed as error:
                 log(f"seed {self.seed} {worker.name}: {brief} failed after {time.monotonic() - began:.1f}s: {error}")
@@ -573,12 +579,14 @@ class SeedRun:
                     self.initial_left -= 1
 
     def chaos(self, seed_source: SeedSource, r: random.Random, duration: float) -> None:
-        """Scheduled events: the source's schema events, a source restart, executor losses."""
+        """Scheduled events: the source's schema events, a source restart, executor losses, run kills."""
         started = time.monotonic()
         events = seed_source.schema_events(r)
+        kills = random.Random(f"{self.seed}:kills")  # its own stream: the other events keep their seeded times
         if self.options.faults:
             events.append((r.uniform(0.45, 0.65), "restart"))
             events += [(r.uniform(0.05, 0.9), "executor") for _ in range(3)]
+            events += [(kills.uniform(0.05, 0.9), kind) for kind, count in RUN_KILLS.items() for _ in range(count)]
         events.sort()
         try:
             for at, event in events:
@@ -592,6 +600,8 @@ class SeedRun:
                     self.note_fault(self.source.restart_fault)
                 elif event == "executor":
                     self.lose_executor(r)
+                elif event in RUN_KILLS:
+                    self.kill_run(event, kills)
                 else:
                     seed_source.run_event(event, self.ctx, r)
         except BaseException:
@@ -612,6 +622,24 @@ class SeedRun:
                         return
                     except psutil.Error:
                         pass
+            time.sleep(0.3)
+
+    def kill_run(self, kind: str, r: random.Random) -> None:
+        """SIGKILL a busy run of ``kind``'s role (``snapshot`` or ``stream``) 0.3-6 s into its work; the run is re-run
+        (``run_task``) and the death counted as ``kind``. A run that ends before the kill is spared and the next
+        busy one is chosen."""
+        role = kind.split(".", 1)[0]
+        while not self.ctx.stop.is_set():
+            candidates = self.pool.snapshots if role == "snapshot" else [self.pool.stream]
+            busy = [(w, w.busy_since) for w in candidates if w.busy_since is not None]
+            if busy:
+                worker, began = r.choice(busy)
+                time.sleep(r.uniform(0.3, 6.0))
+                proc = worker.proc
+                if worker.busy_since == began and proc is not None and not proc.dead:
+                    proc.last_point = kind  # the cause ``receive`` reports for this SIGKILL
+                    proc.kill()
+                    return
             time.sleep(0.3)
 
     # -- the seed ----------------------------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """The torture harness (``tools/torture.py``, issue #3) run as a subprocess, in its short form.
 
-- with faults (SIGKILLs at the fault points, an executor loss, a source restart), a seed passes;
+- with faults (SIGKILLs at the fault points and at random moments of runs, an executor loss, a source restart), a
+  seed passes;
 - with ``--broken-reconciliation`` (stream workers treat every transaction as settled), a seed fails: the harness
   can fail. Every window of the short form is read under concurrent writes, and each chunk's staging write takes
   seconds, so commits land between a chunk's read and its high watermark; the broken rule then upserts rows older
@@ -38,6 +39,7 @@ def test_short_form_with_faults_passes(tmp_path: Path) -> None:
     faults = [int(re.search(r" faults=(\d+)", line).group(1)) for line in lines.values()]  # type: ignore[union-attr]
     assert all(f >= 1 for f in faults), output  # at least the source restart
     assert "pg-restart=1" in lines[901], output
+    assert "killed_at_random=" in lines[901], output  # a chunk or stream run SIGKILLed at a random moment
     for line in lines.values():
         changes = int(re.search(r" changes=(\d+)", line).group(1))  # type: ignore[union-attr]
         assert changes > 500, line
