@@ -628,9 +628,8 @@ class SeedRun:
         """SIGKILL a busy run of ``kind``'s role (``snapshot`` or ``stream``) 0.3-6 s into its work; the run is re-run
         (``run_task``) and the death counted as ``kind``. A run that ends before the kill is spared and the next
         busy one is chosen."""
-        role = kind.split(".", 1)[0]
+        candidates = self.pool.snapshots if kind.startswith("snapshot.") else [self.pool.stream]
         while not self.ctx.stop.is_set():
-            candidates = self.pool.snapshots if role == "snapshot" else [self.pool.stream]
             busy = [(w, w.busy_since) for w in candidates if w.busy_since is not None]
             if busy:
                 worker, began = r.choice(busy)
