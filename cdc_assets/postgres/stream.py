@@ -252,10 +252,11 @@ def _spill_for(
     if relation.relation_id not in relation_columns:
         relation_columns[relation.relation_id] = _columns_for_relation(relation, spill, conn)
     columns = relation_columns[relation.relation_id]
-    if [c.name for c in columns] != [c.name for c in spill.columns]:
-        spill.flush()
-        known = {c.name for c in table.columns} | {c.name for c in spill.added_columns}
-        spill.added_columns += [c for c in columns if c.name not in known]
+    if columns is not spill.columns:  # compared once per relation message, not once per change
+        if [c.name for c in columns] != [c.name for c in spill.columns]:
+            spill.flush()
+            known = {c.name for c in table.columns} | {c.name for c in spill.added_columns}
+            spill.added_columns += [c for c in columns if c.name not in known]
         spill.columns = columns
     return spill
 
@@ -287,11 +288,10 @@ def _columns_for_relation(relation: Relation, spill: TableSpill, conn: psycopg.C
 
 
 def _row(change: RowChange, spill: TableSpill, seq: int) -> tuple:
-    names = [c.name for c in spill.columns]
     unchanged: list[str] = []
-    new = None
-    if change.new is not None:
-        values = list(change.new)
+    new = change.new
+    if new is not None and UNCHANGED_TOAST in new:
+        values = list(new)
         for index, value in enumerate(values):
             if value is UNCHANGED_TOAST:
                 old_value = change.old[index] if change.old is not None and not change.old_is_key_only else None
@@ -299,10 +299,11 @@ def _row(change: RowChange, spill: TableSpill, seq: int) -> tuple:
                     values[index] = old_value
                 else:
                     values[index] = None
-                    unchanged.append(names[index])
-                    spill.unchanged_columns.add(names[index])
+                    name = spill.columns[index].name
+                    unchanged.append(name)
+                    spill.unchanged_columns.add(name)
         new = values
-    old = None
-    if change.old is not None:
-        old = [None if v is UNCHANGED_TOAST else v for v in change.old]
+    old = change.old
+    if old is not None and UNCHANGED_TOAST in old:
+        old = [None if v is UNCHANGED_TOAST else v for v in old]
     return (change.op, change.begin.final_lsn, seq, change.old_is_key_only, unchanged, new, old)
