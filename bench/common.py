@@ -159,12 +159,13 @@ def pipeline_config(
     lake_root: Path,
     tables: Sequence[str],
     chunk_size: int,
-    max_changes: int = 100_000,
+    max_changes: int | None = None,
     spill_rows: int = 50_000,
     read_parallelism: int = 2,
     spark_conf: dict[str, str] | None = None,
 ) -> Any:
-    """A ``CdcConfig`` with one PostgreSQL source ``source_name`` (slot and publication of the same name)."""
+    """A ``CdcConfig`` with one PostgreSQL source ``source_name`` (slot and publication of the same name); the batch
+    bound ``max_changes`` is the source default (``StreamConfig``) unless given."""
     from cdc_assets.config import (
         CdcConfig,
         PostgresConnection,
@@ -187,7 +188,7 @@ def pipeline_config(
         tables=tuple(TableConfig(schema="public", name=t) for t in tables),
         include=(),
         exclude=(),
-        stream=StreamConfig(max_changes=max_changes, spill_rows=spill_rows),
+        stream=StreamConfig(max_changes=max_changes or StreamConfig.max_changes, spill_rows=spill_rows),
     )
     return CdcConfig(lake_root=lake_root, spark=SparkConfig(conf=dict(spark_conf or {})), sources=(source,))
 

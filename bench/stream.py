@@ -1,6 +1,6 @@
 """Benchmark 2: streaming throughput, against the decoding rate of the same WAL (the limit).
 
-    .venv/bin/python -m bench.stream --changes 200000
+    .venv/bin/python -m bench.stream --changes 1000000
 
 Steps, in one process (its Spark driver is started once, as a long-lived driver would be; with Dagster every batch
 run starts its own, see ``bench.freshness``):
@@ -59,6 +59,7 @@ from bench.common import (
     usage_json,
 )
 from bench.datagen import create_hot_table, install_workload, run_workload
+from cdc_assets.config import StreamConfig
 
 SOURCE = "bench_stream"
 TABLE = "bench_stream"
@@ -122,11 +123,16 @@ def decode_limit(repeats: int) -> list[dict[str, Any]]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--changes", type=int, default=200_000, help="workload changes (default 200k)")
+    parser.add_argument("--changes", type=int, default=1_000_000, help="workload changes (default 1M)")
     parser.add_argument("--tx-size", type=int, default=10, help="changes per transaction (default 10)")
     parser.add_argument("--initial-rows", type=int, default=1_000_000, help="rows before the workload (default 1M)")
     parser.add_argument("--chunk-size", type=int, default=250_000)
-    parser.add_argument("--max-changes", type=int, default=100_000, help="our batch bound (source default 100000)")
+    parser.add_argument(
+        "--max-changes",
+        type=int,
+        default=StreamConfig.max_changes,
+        help=f"our batch bound (source default {StreamConfig.max_changes})",
+    )
     parser.add_argument("--decode-repeats", type=int, default=2)
     parser.add_argument("--keep", action="store_true", help="keep the lake under bench/out/work")
     args = parser.parse_args(argv)
