@@ -188,7 +188,9 @@ def pipeline_config(
         tables=tuple(TableConfig(schema="public", name=t) for t in tables),
         include=(),
         exclude=(),
-        stream=StreamConfig(max_changes=max_changes or StreamConfig.max_changes, spill_rows=spill_rows),
+        stream=StreamConfig(
+            max_changes=StreamConfig.max_changes if max_changes is None else max_changes, spill_rows=spill_rows
+        ),
     )
     return CdcConfig(lake_root=lake_root, spark=SparkConfig(conf=dict(spark_conf or {})), sources=(source,))
 
