@@ -33,9 +33,10 @@ deterministic, so a seed fixes the workload's recipe, not its exact interleaving
    SIGKILLed at those points; a killed or failed run is re-run (as Dagster's retry policy would, up to 8
    attempts). A **run kill**: a busy chunk run (twice per seed) and the stream run (once) are SIGKILLed 0.3-6 s into
    their work, wherever that is: a chunk run anywhere from opening its source to recording its windows (so also
-   inside its read-and-stage Spark job: rows read, staging commit not made), the stream run anywhere from its slot
-   read to its slot advance. An **executor loss**: a Spark Python worker process of a snapshot worker is SIGKILLed
-   while a chunk read runs (Spark retries the task, or the run fails and is re-run). A **source restart**
+   inside its read-and-stage Spark job: some staged files written, window not recorded), the stream run anywhere
+   from its slot read to its slot advance. An **executor loss**: a Spark Python worker process of a snapshot worker
+   is SIGKILLed while a chunk read runs (Spark retries the task, which rewrites its staged file, or the run fails
+   and is re-run). A **source restart**
    (``TortureSource.restart``; PostgreSQL: ``scripts/pg.sh restart``) once mid-run (writers reconnect; runs fail
    and are re-run).
 5. **Checks**, after the workload stopped and the stream caught up (no waiting window, no change, lag 0): the

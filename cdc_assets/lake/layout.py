@@ -1,7 +1,9 @@
 """Where a source's tables and control data live in the lake.
 
 Contract (``<lake_root>/<source>/``):
-- ``<schema>.<table>/mirror``, ``/changelog``, ``/staging``: the Delta tables of one captured table.
+- ``<schema>.<table>/mirror``, ``/changelog``: the Delta tables of one captured table; ``/staged``: its staged
+  chunk rows, plain Parquet files per attempt (``cdc_assets.lake.staging``). A ``/staging`` folder next to them
+  is a Delta staging table of an earlier version: nothing reads it, and it can be removed.
 - ``_cdc/plans/<schema>.<table>.json``: the table's chunk plan, written once (first writer wins) and never changed.
 - ``_cdc/windows``: the Delta log of chunk window events (see ``cdc_assets.lake.windows``).
 - ``_cdc/waiting/<schema>.<table>@<chunk>.hw``: one small file per staged, not yet reconciled chunk holding its
@@ -14,7 +16,7 @@ Contract (``<lake_root>/<source>/``):
   (``cdc_assets.lake.maintenance``): ``compact`` (staged attempts dropped, tables compacted) and ``vacuum``. The clock
   of a step starts when it is first asked whether the step is due: a new source's first batches pay for no upkeep.
 - ``_cdc/spill/<batch>/``: a stream batch's decoded changes (Parquet), removed after the batch.
-The plan, marker and spill folders use the local file system API: the lake root must be a local or mounted path.
+The plan, marker, spill and staged folders use the local file system API: the lake root must be a local or mounted path.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ class SourceLake:
 
     def table(self, qualified_name: str) -> TablePaths:
         base = self.root / qualified_name
-        return TablePaths(str(base / "mirror"), str(base / "changelog"), str(base / "staging"))
+        return TablePaths(str(base / "mirror"), str(base / "changelog"), str(base / "staged"))
 
     @property
     def windows(self) -> str:

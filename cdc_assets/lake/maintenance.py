@@ -1,30 +1,26 @@
-"""Upkeep of one captured table's Delta tables: what a long-running stream needs so the lake does not grow without
-bound. Every step is Delta's own operation; none changes what a reader of the latest version sees.
+"""Upkeep of one captured table's lake folders: what a long-running stream needs so the lake does not grow without
+bound. The Delta steps are Delta's own operations; none changes what a reader of the latest version sees.
 
 Contract:
-- ``drop_attempts(spark, staging_path, attempts)``: deletes the staged rows of ``attempts`` (finished attempts, see
-  ``cdc_assets.engine.windows.finished_attempts``). Staging is partitioned by attempt, so Delta removes whole files
-  and rewrites nothing; a delete that matches no file commits nothing. Returns the number of files removed.
-- ``staged_attempt_times(spark, staging_path)``: each staged attempt with the time (epoch seconds) its newest file
-  was written (Delta's file metadata; the rows' data columns are not read).
+- Staged attempts are dropped with ``cdc_assets.lake.staging.drop_attempts`` (their folders are deleted): the
+  finished ones (``cdc_assets.engine.windows.finished_attempts``), whose rows no reconciliation reads again, and
+  the unrecorded ones older than the grace below.
 - ``compact(spark, path, target_bytes)``: Delta ``OPTIMIZE`` (bin-packing) of the files smaller than
   ``target_bytes`` into files of about ``target_bytes``; files whose deletion vectors hide more than Delta's
   ``optimize.maxDeletedRowsRatio`` of their rows are rewritten too. The commit has ``dataChange=false``: no Change
   Data Feed rows, and streaming readers of the table skip it. Returns files removed and added.
 - ``vacuum(spark, path)``: Delta ``VACUUM`` with the table's retention (``delta.deletedFileRetentionDuration``:
-  Delta's default of 7 days for the mirror, the changelog and the window log unless a user sets it; 1 day for
-  staging, ``STAGING_PROPERTIES``). Files younger than that stay, so readers of recent versions and writes in
-  progress are safe. Returns the number of files deleted. It costs a few Spark jobs (about 3-4 s per table on 2
-  cores, even with nothing to delete), and files only become deletable days after they were removed, so it is a
-  separate, rarer step.
+  Delta's default of 7 days for the mirror, the changelog and the window log unless a user sets it). Files
+  younger than that stay, so readers of recent versions and writes in progress are safe. Returns the number of
+  files deleted. It costs a few Spark jobs (about 3-4 s per table on 2 cores, even with nothing to delete), and
+  files only become deletable days after they were removed, so it is a separate, rarer step.
 - ``maintain_lake(spark, lake, tables, target_bytes, steps, unrecorded_grace)`` does the ``steps`` for a source:
   ``"compact"``: for each table, drop the staged rows of finished attempts and of attempts no window names that
   were written more than ``unrecorded_grace`` ago (one day; ``cdc_assets.engine.windows.unrecorded_attempts``), and
-  compact the mirror and the changelog, then compact the window log; ``"vacuum"``: vacuum each table's staging,
-  mirror and changelog, then the window log. Returns one ``TableUpkeep`` per table.
+  compact the mirror and the changelog, then compact the window log; ``"vacuum"``: vacuum each table's mirror and
+  changelog, then the window log. Returns one ``TableUpkeep`` per table.
 The caller runs these from the only writer of the mirror and the changelog (the stream run), between batches, so
-they never conflict with a merge; snapshot runs only append to staging, which a partition delete of other attempts
-does not conflict with (and ``commit_with_retry`` retries if it does).
+they never conflict with a merge or a reconciliation; snapshot runs write only their own attempts' folders.
 """
 
 from __future__ import annotations
@@ -36,14 +32,13 @@ from dataclasses import dataclass
 from datetime import timedelta
 
 from delta.tables import DeltaTable
-from pyspark.errors import AnalysisException
 from pyspark.sql import SparkSession
-from pyspark.sql import functions as F
 
 from cdc_assets.engine.faults import fault_point
 from cdc_assets.engine.windows import finished_attempts, unrecorded_attempts
+from cdc_assets.lake import staging
 from cdc_assets.lake import windows as window_log
-from cdc_assets.lake.delta_tables import is_missing_table, table_or_none
+from cdc_assets.lake.delta_tables import table_or_none
 from cdc_assets.lake.layout import SourceLake, UpkeepStep
 from cdc_assets.lake.retry import commit_with_retry
 
@@ -52,8 +47,8 @@ from cdc_assets.lake.retry import commit_with_retry
 # number, not one derived from the SparkContext, so the upkeep also runs over Spark Connect.
 LISTING_PARALLELISM = "spark.sql.sources.parallelPartitionDiscovery.parallelism"
 LISTING_TASKS = "8"
-# a snapshot run records its windows seconds after its staging write; an attempt no window names a day later was
-# left by a run that died in between
+# a snapshot run records its windows seconds after its staged files are written; an attempt no window names a day
+# later was left by a run that died in between
 UNRECORDED_GRACE = timedelta(days=1)
 OPTIMIZE_FILE_SIZE_CONFS = (
     "spark.databricks.delta.optimize.minFileSize",
@@ -66,30 +61,6 @@ def _last_metrics(table: DeltaTable, operation: str) -> dict[str, str]:
     if row is None or row["operation"] != operation:
         return {}
     return dict(row["operationMetrics"] or {})
-
-
-def drop_attempts(spark: SparkSession, staging_path: str, attempts: Iterable[str]) -> int:
-    wanted = sorted(set(attempts))
-    table = table_or_none(spark, staging_path)
-    if table is None or not wanted:
-        return 0
-    version = table.history(1).select("version").first()[0]
-    commit_with_retry(lambda: table.delete(F.col("_cdc_attempt").isin(wanted)), f"drop staged attempts {staging_path}")
-    if table.history(1).select("version").first()[0] == version:
-        return 0
-    return int(_last_metrics(table, "DELETE").get("numRemovedFiles", 0))
-
-
-def staged_attempt_times(spark: SparkSession, staging_path: str) -> dict[str, float]:
-    try:
-        staged = spark.read.format("delta").load(staging_path)
-    except AnalysisException as error:
-        if is_missing_table(error):
-            return {}
-        raise
-    files = staged.select("_cdc_attempt", "_metadata.file_modification_time")
-    newest = files.groupBy("_cdc_attempt").agg(F.max("file_modification_time").cast("double").alias("newest"))
-    return {r["_cdc_attempt"]: r["newest"] for r in newest.collect()}
 
 
 @contextmanager
@@ -149,9 +120,9 @@ def maintain_lake(
     unrecorded: dict[str, set[str]] = {}
     if compacting:
         # an attempt no window names is dropped only when its newest file is older than the grace: a run that is
-        # alive records its windows seconds after its staging write (and reconcile refuses a window whose staged
-        # rows are missing, so a late record cannot make rows vanish from the mirror)
-        staged = {name: staged_attempt_times(spark, lake.table(name).staging) for name in tables}
+        # alive records its windows seconds after its staged files are written (and reconcile refuses a window whose
+        # staged rows are missing, so a late record cannot make rows vanish from the mirror)
+        staged = {name: staging.staged_attempt_times(lake.table(name).staging) for name in tables}
         events = window_log.read_events(spark, lake.windows)
         finished = finished_attempts(events)
         unrecorded = unrecorded_attempts(events, staged, time.time() - unrecorded_grace.total_seconds())
@@ -161,13 +132,13 @@ def maintain_lake(
         dropped, removed, written, vacuumed = 0, 0, 0, 0
         if compacting:
             attempts = finished.get(name, set()) | unrecorded.get(name, set())
-            dropped = drop_attempts(spark, paths.staging, attempts)
+            dropped = staging.drop_attempts(paths.staging, attempts)
             fault_point("stream.during_maintenance")
             for path in (paths.mirror, paths.changelog):
                 files_removed, files_added = compact(spark, path, target_bytes)
                 removed, written = removed + files_removed, written + files_added
         if vacuuming:
-            vacuumed = sum(vacuum(spark, path) for path in (paths.staging, paths.mirror, paths.changelog))
+            vacuumed = sum(vacuum(spark, path) for path in (paths.mirror, paths.changelog))
         results.append(TableUpkeep(name, len(unrecorded.get(name, ())), dropped, removed, written, vacuumed))
     if compacting:
         compact(spark, lake.windows, target_bytes)

@@ -37,7 +37,7 @@ Contract:
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from delta.tables import DeltaTable
@@ -50,6 +50,7 @@ from cdc_assets.engine.chunks import Chunk, chunk_partition_key
 from cdc_assets.engine.lsn import parse_lsn
 from cdc_assets.engine.pg_values import UNREPRESENTABLE_COLUMN, PgColumn, spark_schema
 from cdc_assets.engine.windows import ChunkWindow
+from cdc_assets.lake import staging
 from cdc_assets.lake.retry import commit_with_retry
 
 META_FIELDS = [
@@ -105,38 +106,6 @@ def mirror_source_fields(mirror: DeltaTable) -> list[T.StructField]:
     is NULL in every row written after the drop, however old the caller's description of the table is."""
     meta = {f.name for f in META_FIELDS} | {UNREPRESENTABLE_COLUMN}
     return [f for f in mirror.toDF().schema.fields if f.name not in meta]
-
-
-STAGING_PROPERTIES = {
-    # no per-column statistics: staging is read whole by attempt (its partition column), never filtered by a
-    # column's range, and collecting them cost as much as encoding the rows (1M rows: 11.5 s write with, 6.2 s
-    # without)
-    "delta.dataSkippingNumIndexedCols": "0",
-    # staged rows of finished attempts are deleted (cdc_assets.lake.maintenance); their files go a day later
-    "delta.deletedFileRetentionDuration": "interval 1 days",
-}
-
-
-def ensure_staging(spark: SparkSession, path: str, schema: T.StructType) -> None:
-    """Create the staging table (partitioned by ``_cdc_attempt``, ``STAGING_PROPERTIES``) when missing, and set
-    the properties on one created before they existed. Appends add columns themselves (``mergeSchema``)."""
-
-    def create() -> None:
-        builder = DeltaTable.createIfNotExists(spark).location(path).addColumns(schema).partitionedBy("_cdc_attempt")
-        for key, value in STAGING_PROPERTIES.items():
-            builder = builder.property(key, value)
-        builder.execute()
-
-    if not DeltaTable.isDeltaTable(spark, path):
-        commit_with_retry(create, f"create staging {path}")
-        return
-    current = DeltaTable.forPath(spark, path).detail().select("properties").first()[0] or {}
-    stale = {k: v for k, v in STAGING_PROPERTIES.items() if current.get(k) != v}
-    if stale:
-        settings = ", ".join(f"'{k}' = '{v}'" for k, v in stale.items())
-        commit_with_retry(
-            lambda: spark.sql(f"ALTER TABLE delta.{q(path)} SET TBLPROPERTIES ({settings})"), f"configure {path}"
-        )
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -444,18 +413,8 @@ def _unsettled(lw_xmin: Column, lw_xmax: Column, lw_xip: Column) -> Column:
     return ~settled
 
 
-def staged_row_counts(spark: SparkSession, staging_path: str, attempts: Iterable[str]) -> dict[tuple[str, int], int]:
-    """Rows per (attempt, chunk) in staging: what a snapshot run records in its windows, and what reconciliation
-    checks before it writes."""
-    staged = spark.read.format("delta").load(staging_path).where(F.col("_cdc_attempt").isin(sorted(set(attempts))))
-    return {
-        (r["_cdc_attempt"], r["_cdc_chunk"]): r["count"]
-        for r in staged.groupBy("_cdc_attempt", "_cdc_chunk").count().collect()
-    }
-
-
-def check_staged_rows(spark: SparkSession, staging_path: str, windows: Sequence[ChunkWindow]) -> None:
-    counts = staged_row_counts(spark, staging_path, (w.attempt for w in windows))
+def check_staged_rows(staging_path: str, windows: Sequence[ChunkWindow]) -> None:
+    counts = staging.staged_row_counts(staging_path, (w.attempt for w in windows))
     for w in windows:
         found = counts.get((w.attempt, w.chunk), 0)
         if found != w.rows:
@@ -479,10 +438,14 @@ def reconcile(
     """Reconcile the closable ``windows`` of one table (see module docstring)."""
     if not windows:
         return []
-    check_staged_rows(spark, staging_path, windows)
-    staging = spark.read.format("delta").load(staging_path)
+    check_staged_rows(staging_path, windows)
+    expected = T.StructType(
+        [*spark_schema(list(columns)).fields, T.StructField(staging.CHUNK_COLUMN, T.IntegerType()),
+         T.StructField(staging.ATTEMPT_COLUMN, T.StringType())]
+    )  # fmt: skip
+    staged_frame = staging.read_staged(spark, staging_path, (w.attempt for w in windows), expected)
     # a column the read had but the caller's description lacks (added since the stream run described the table)
-    staged_source_fields = [f for f in staging.schema.fields if f.name not in STAGING_ONLY_COLUMNS]
+    staged_source_fields = [f for f in staged_frame.schema.fields if f.name not in STAGING_ONLY_COLUMNS]
     mirror = ensure_mirror(spark, mirror_path, columns, also=staged_source_fields)
     all_types = {f.name: f.dataType for f in mirror_source_fields(mirror)}
     names = list(all_types)
@@ -540,7 +503,7 @@ def reconcile(
 
     attempts = [w.attempt for w in windows]
     staged = (
-        staging
+        staged_frame
         .where(F.col("_cdc_attempt").isin(attempts))
         .join(window_frame, (F.col("_cdc_attempt") == F.col("_w_attempt")) & (F.col("_cdc_chunk") == F.col("_w_chunk")))
     )  # fmt: skip

@@ -7,8 +7,9 @@ Contract (Dagster calls these from assets and sensors; tests call them directly)
 - ``plan(table)`` returns the stored chunk plan, planning and storing it on first use (immutable afterwards).
 - ``snapshot(spark, table, chunk_indexes, run_id)`` runs one watermark window (DESIGN.md) around reading the
   chunks: low watermark, parallel sub-range reads in Spark tasks (psycopg ``COPY`` into Arrow inside each task,
-  ``mapInArrow``), high watermark after the Spark job finished, rows appended to staging under a fresh attempt id,
-  then the window is recorded as ``staged``. A run killed before that record leaves rows no one reads.
+  ``mapInArrow``; each task writes its rows as a staged Parquet file of a fresh attempt id,
+  ``cdc_assets.lake.staging``), high watermark after the Spark job finished, then the window is recorded as
+  ``staged`` with the row counts the tasks returned. A run killed before that record leaves rows no one reads.
 - ``stream_batch(spark, recorded_lsn, run_id)`` reads one bounded batch from the slot (after first moving the slot
   up to an offset that was recorded but not yet applied to the slot), appends changelogs, applies mirrors, and
   reconciles every staged chunk whose high watermark the batch has passed. It never moves the slot: the caller
@@ -33,27 +34,24 @@ from typing import TYPE_CHECKING
 
 import psycopg
 import pyarrow as pa
-from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql import SparkSession
 from pyspark.sql import functions as F
-from pyspark.sql import types as T
 
 from cdc_assets.config import CdcConfig, PostgresConnection, SourceConfig
 from cdc_assets.engine.chunks import Chunk, ChunkPlan
 from cdc_assets.engine.faults import fault_point
 from cdc_assets.engine.lsn import format_lsn
-from cdc_assets.engine.pg_values import PgColumn, copy_query_to_arrow, spark_schema
+from cdc_assets.engine.pg_values import PgColumn, arrow_schema, copy_query_to_arrow, spark_schema
 from cdc_assets.engine.windows import RECONCILED, STAGED, ChunkWindow, closable, open_windows
+from cdc_assets.lake import staging
 from cdc_assets.lake import windows as window_log
 from cdc_assets.lake.layout import SourceLake
 from cdc_assets.lake.mirror import (
     append_changelog,
     apply_changes,
-    ensure_staging,
     fill_unknown,
     reconcile,
-    staged_row_counts,
 )
-from cdc_assets.lake.retry import commit_with_retry
 from cdc_assets.postgres import catalog, snapshot, stream
 from cdc_assets.postgres.catalog import CapturedTable
 from cdc_assets.postgres.connection import SourceError, connect
@@ -75,9 +73,13 @@ def _commit_positions(path) -> dict[int, int]:
     return dict(zip(table.column(0).to_pylist(), table.column(1).to_pylist(), strict=True))
 
 
-def _range_reader(connection: PostgresConnection, source_name: str, table: CapturedTable, attempt: str):
-    """The ``mapInArrow`` function of a chunk read: one ``COPY`` per sub-range row, typed by the shared codec."""
+def _range_stager(
+    connection: PostgresConnection, source_name: str, table: CapturedTable, staging_path: str, attempt: str
+):
+    """The ``mapInArrow`` function of a chunk read: one ``COPY`` per sub-range row, typed by the shared codec and
+    written as one staged file; yields (chunk, part, rows) per sub-range."""
     columns = list(table.columns)
+    schema = arrow_schema(columns)
 
     def read(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         conn = connect(connection, source_name)
@@ -86,11 +88,13 @@ def _range_reader(connection: PostgresConnection, source_name: str, table: Captu
                 for item in batch.to_pylist():
                     lo = None if item["lo"] is None else tuple(json.loads(item["lo"]))
                     hi = None if item["hi"] is None else tuple(json.loads(item["hi"]))
-                    query = snapshot.chunk_select(table, lo, hi)
-                    for part in copy_query_to_arrow(conn, query, columns):
-                        part = part.append_column("_cdc_chunk", pa.array([item["chunk"]] * part.num_rows, pa.int32()))
-                        part = part.append_column("_cdc_attempt", pa.array([attempt] * part.num_rows, pa.string()))
-                        yield from part.to_batches()
+                    tables = copy_query_to_arrow(conn, snapshot.chunk_select(table, lo, hi), columns)
+                    rows = staging.write_part(staging_path, attempt, item["chunk"], item["part"], tables, schema)
+                    yield pa.RecordBatch.from_arrays(
+                        [pa.array([item["chunk"]], pa.int32()), pa.array([item["part"]], pa.int32()),
+                         pa.array([rows], pa.int64())],
+                        names=["chunk", "part", "rows"],
+                    )  # fmt: skip
         finally:
             conn.close()
 
@@ -152,12 +156,8 @@ class PostgresPipeline:
             # transaction settled at the low watermark, is in the rows the reads see (else staged without it and
             # reconciled as NULL over the stream's value: a lost update)
             table = catalog.with_current_columns(conn, table)
-            rows = self.read_chunks(spark, conn, table, chunks, attempt)
-            ensure_staging(spark, paths.staging, rows.schema)
-            writer = rows.write.format("delta").mode("append").partitionBy("_cdc_attempt").option("mergeSchema", "true")
-            commit_with_retry(lambda: writer.save(paths.staging), f"staging {paths.staging}")  # step 2
+            counts = self.stage_chunks(spark, conn, table, chunks, paths.staging, attempt)  # step 2
             high_watermark = snapshot.take_high_watermark(conn)  # step 3: after every read finished
-        counts = {chunk: rows for (_, chunk), rows in staged_row_counts(spark, paths.staging, [attempt]).items()}
         fault_point("snapshot.before_window_record")
         now = datetime.now(UTC)
         windows = [
@@ -177,28 +177,28 @@ class PostgresPipeline:
             hw=high_watermark,
         )
 
-    def read_chunks(
-        self, spark: SparkSession, conn: psycopg.Connection, table: CapturedTable, chunks: list[Chunk], attempt: str
-    ) -> DataFrame:
-        """The rows of ``chunks`` as a lazy Spark frame read in parallel sub-ranges (``_cdc_chunk``,
-        ``_cdc_attempt`` added). The reads happen when the frame is evaluated."""
+    def stage_chunks(
+        self, spark: SparkSession, conn: psycopg.Connection, table: CapturedTable, chunks: list[Chunk],
+        staging_path: str, attempt: str,
+    ) -> dict[int, int]:  # fmt: skip
+        """Read ``chunks`` in parallel sub-ranges (one Spark task each) into staged files of ``attempt``
+        (``cdc_assets.lake.staging``); the rows staged per chunk. Returns when every read has finished."""
         ranges = []
         for chunk in chunks:
             observed_max = snapshot.max_integer_key(conn, table) if chunk.hi is None else None
-            for part in snapshot.sub_ranges(table, chunk, self.source.read_parallelism, observed_max):
+            parts = snapshot.sub_ranges(table, chunk, self.source.read_parallelism, observed_max)
+            for number, part in enumerate(parts):
                 ranges.append(
-                    (chunk.index, None if part.lo is None else json.dumps(part.lo),
+                    (chunk.index, number, None if part.lo is None else json.dumps(part.lo),
                      None if part.hi is None else json.dumps(part.hi))
                 )  # fmt: skip
-        reader = _range_reader(self.source.connection, self.source.name, table, attempt)
-        schema = T.StructType(
-            [*spark_schema(list(table.columns)).fields, T.StructField("_cdc_chunk", T.IntegerType()),
-             T.StructField("_cdc_attempt", T.StringType())]
-        )  # fmt: skip
-        frame = spark.createDataFrame(ranges, "chunk int, lo string, hi string").repartition(len(ranges))
-        return frame.mapInArrow(reader, schema)
+        stager = _range_stager(self.source.connection, self.source.name, table, staging_path, attempt)
+        frame = spark.createDataFrame(ranges, "chunk int, part int, lo string, hi string").repartition(len(ranges))
+        counts = dict.fromkeys((c.index for c in chunks), 0)
+        for row in frame.mapInArrow(stager, "chunk int, part int, rows long").collect():
+            counts[row["chunk"]] += row["rows"]
+        return counts
 
-    # -- streaming -------------------------------------------------------------------------------------------
     def stream_batch(self, spark: SparkSession, recorded_lsn: int | None, run_id: str) -> StreamReport:
         started = time.monotonic()
         tables = self.tables

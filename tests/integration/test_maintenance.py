@@ -1,7 +1,9 @@
-"""Lake upkeep (``cdc_assets.lake.maintenance``) on a live pipeline: real PostgreSQL, Spark and Delta."""
+"""Lake upkeep (``cdc_assets.lake.maintenance``) and staged attempts (``cdc_assets.lake.staging``) on a live
+pipeline: real PostgreSQL, Spark and Delta."""
 
 from __future__ import annotations
 
+import shutil
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -12,15 +14,10 @@ from pyspark.sql import functions as F
 from cdc_assets.engine.lsn import parse_lsn
 from cdc_assets.engine.windows import finished_attempts, unrecorded_attempts
 from cdc_assets.lake import windows as window_log
-from cdc_assets.lake.maintenance import (
-    UNRECORDED_GRACE,
-    drop_attempts,
-    maintain_lake,
-    staged_attempt_times,
-    vacuum,
-)
+from cdc_assets.lake.maintenance import UNRECORDED_GRACE, maintain_lake
 from cdc_assets.lake.mirror import StagedRowsMismatch, last_applied_lsn
 from cdc_assets.lake.pipeline import PostgresPipeline
+from cdc_assets.lake.staging import drop_attempts, staged_attempt_times, staged_row_counts
 from tests.integration.support import mirror_rows, pipeline_config, seeded_source, source_rows
 from tests.integration.test_pipeline_basic import run_until_reconciled
 
@@ -34,8 +31,9 @@ def source(postgres_server: dict[str, str], tmp_path: Path):
         yield admin, pipeline_config(DATABASE, tmp_path / "lake", chunk_size=250)
 
 
-def staged_attempts(spark, path: str) -> set[str]:
-    return {r[0] for r in spark.read.format("delta").load(path).select("_cdc_attempt").distinct().collect()}
+def staged_attempts(path: str) -> set[str]:
+    """The attempts with a staged file, from the file system."""
+    return {p.parent.name for p in Path(path).glob("*/chunk-*-part-*.parquet")}
 
 
 def file_count(spark, path: str) -> int:
@@ -71,17 +69,15 @@ def test_upkeep_drops_finished_snapshots_compacts_and_the_stream_stays_exact(sou
     # a re-read of chunk 0 that the stream has not reconciled yet: its staged rows must stay
     waiting = pipeline.snapshot(spark, items, [0], "t2").attempt
     paths = {name: pipeline.lake.table(name) for name in tables}
-    assert staged_attempts(spark, paths["public.items"].staging) == {first["public.items"], waiting}
+    assert staged_attempts(paths["public.items"].staging) == {first["public.items"], waiting}
     before = {name: (file_count(spark, p.mirror), file_count(spark, p.changelog)) for name, p in paths.items()}
     offsets = {name: last_applied_lsn(spark, p.changelog) for name, p in paths.items()}
 
-    # a run that died between its staging write and its window record left an attempt no window names
+    # a run that died between its staged files and its window record left an attempt no window names
     items_staging = paths["public.items"].staging
-    dead = spark.read.format("delta").load(items_staging).where(F.col("_cdc_attempt") == first["public.items"])
-    dead = dead.withColumn("_cdc_attempt", F.lit("died-before-record"))
-    dead.write.format("delta").mode("append").partitionBy("_cdc_attempt").save(items_staging)
+    shutil.copytree(Path(items_staging) / first["public.items"], Path(items_staging) / "died-before-record")
     events = window_log.read_events(spark, pipeline.lake.windows)
-    staged_times = {"public.items": staged_attempt_times(spark, items_staging)}
+    staged_times = {"public.items": staged_attempt_times(items_staging)}
     assert set(staged_times["public.items"]) == {first["public.items"], waiting, "died-before-record"}
     # within a day of its write its run might still record it: kept
     assert unrecorded_attempts(events, staged_times, time.time() - UNRECORDED_GRACE.total_seconds()) == {}
@@ -90,10 +86,10 @@ def test_upkeep_drops_finished_snapshots_compacts_and_the_stream_stays_exact(sou
     upkeep = maintain_lake(spark, pipeline.lake, tables, TARGET_BYTES, unrecorded_grace=timedelta(0))
     results = {r.table: r for r in upkeep}
 
-    assert staged_attempts(spark, paths["public.items"].staging) == {waiting}
+    assert staged_attempts(paths["public.items"].staging) == {waiting}
     assert [results[name].unrecorded_attempts_dropped for name in sorted(tables)] == [0, 1, 0]  # docs, items, pairs
     for name in ("public.pairs", "public.docs"):
-        assert staged_attempts(spark, paths[name].staging) == set(), name
+        assert staged_attempts(paths[name].staging) == set(), name
         assert results[name].staging_files_dropped > 0, name
     for name, p in paths.items():
         mirror_files, changelog_files = before[name]
@@ -111,14 +107,9 @@ def test_upkeep_drops_finished_snapshots_compacts_and_the_stream_stays_exact(sou
     assert_mirrors_match(spark, pipeline)
     finished = finished_attempts(window_log.read_events(spark, pipeline.lake.windows))
     assert finished["public.items"] == {first["public.items"], waiting}
-    assert drop_attempts(spark, paths["public.items"].staging, finished["public.items"]) > 0
-    assert staged_attempts(spark, paths["public.items"].staging) == set()
-
-    # vacuum removes the dropped attempts' files from disk once they are older than the retention (0 here)
-    staging = Path(paths["public.items"].staging)
-    assert list(staging.glob(f"_cdc_attempt={first['public.items']}/*.parquet"))
-    assert vacuum(spark, str(staging), retention_hours=0) > 0
-    assert not list(staging.glob("_cdc_attempt=*/*.parquet"))
+    assert drop_attempts(paths["public.items"].staging, finished["public.items"]) > 0
+    assert staged_attempts(paths["public.items"].staging) == set()
+    assert not list(Path(paths["public.items"].staging).iterdir())  # the attempts' folders are gone
     changelog = spark.read.format("delta").load(paths["public.items"].changelog)
     assert changelog.where(F.col("_cdc_op") == "u").count() > 0  # the changelog itself is untouched
 
@@ -126,7 +117,8 @@ def test_upkeep_drops_finished_snapshots_compacts_and_the_stream_stays_exact(sou
     # chunk's mirror rows); re-materializing the partition supersedes it
     lost = pipeline.snapshot(spark, items, [0], "t3")  # chunk 0 holds the rows (chunks split the key range)
     assert lost.rows > 0
-    assert drop_attempts(spark, items_staging, {lost.attempt}) > 0
+    assert sum(staged_row_counts(items_staging, [lost.attempt]).values()) == lost.rows
+    assert drop_attempts(items_staging, {lost.attempt}) > 0
     refused = rf"table public\.items: chunk 0: attempt {lost.attempt} recorded {lost.rows} staged rows but staging "
     refused += r"holds 0: .*Re-materialize partition chunk-000000"
     with pytest.raises(StagedRowsMismatch, match=refused):
