@@ -33,7 +33,7 @@ def source(postgres_server: dict[str, str], tmp_path: Path):
 
 def staged_attempts(path: str) -> set[str]:
     """The attempts with a staged file, from the file system."""
-    return {p.parent.name for p in Path(path).glob("*/chunk-*-part-*.parquet")}
+    return {p.parent.name.removeprefix("_cdc_attempt=") for p in Path(path).glob("_cdc_attempt=*/chunk-*.parquet")}
 
 
 def file_count(spark, path: str) -> int:
@@ -75,7 +75,8 @@ def test_upkeep_drops_finished_snapshots_compacts_and_the_stream_stays_exact(sou
 
     # a run that died between its staged files and its window record left an attempt no window names
     items_staging = paths["public.items"].staging
-    shutil.copytree(Path(items_staging) / first["public.items"], Path(items_staging) / "died-before-record")
+    attempt_folder = Path(items_staging) / f"_cdc_attempt={first['public.items']}"
+    shutil.copytree(attempt_folder, Path(items_staging) / "_cdc_attempt=died-before-record")
     events = window_log.read_events(spark, pipeline.lake.windows)
     staged_times = {"public.items": staged_attempt_times(items_staging)}
     assert set(staged_times["public.items"]) == {first["public.items"], waiting, "died-before-record"}

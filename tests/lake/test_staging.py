@@ -104,7 +104,7 @@ def test_a_retried_part_replaces_its_file_and_a_failed_one_leaves_nothing(spark,
     with pytest.raises(ConnectionError):
         write_part(tmp_path, "a1", 1, 0, dies_after_one_batch(), schema)
     assert staged_row_counts(tmp_path, ["a1"]) == {("a1", 0): 3}  # no chunk 1 file, complete or partial
-    assert sorted(os.listdir(tmp_path / "a1")) == ["chunk-0-part-0.parquet", "chunk-0-part-1.parquet"]
+    assert sorted(os.listdir(tmp_path / "_cdc_attempt=a1")) == ["chunk-0-part-0.parquet", "chunk-0-part-1.parquet"]
     assert read_staged(spark, tmp_path, ["a1"], fallback(COLUMNS)).count() == 3
 
 
@@ -128,11 +128,22 @@ def test_empty_reads_missing_attempts_times_and_drops(spark, tmp_path: Path) -> 
     missing = read_staged(spark, tmp_path, ["gone"], fallback(COLUMNS))
     assert missing.count() == 0 and missing.schema == fallback(COLUMNS)
     write_part(tmp_path, "a2", 0, 0, [typed_rows(COLUMNS, TEXTS)], schema)
-    os.utime(tmp_path / "a1" / "chunk-5-part-0.parquet", (1_000_000, 1_000_000))
+    os.utime(tmp_path / "_cdc_attempt=a1" / "chunk-5-part-0.parquet", (1_000_000, 1_000_000))
     times = staged_attempt_times(tmp_path)
     assert times["a1"] == 1_000_000 and times["a2"] > 1_000_000 and set(times) == {"a1", "a2"}
     assert drop_attempts(tmp_path, ["a1", "never-staged"]) == 1
     assert staged_attempt_times(tmp_path).keys() == {"a2"}
     assert staged_attempt_times(tmp_path / "no-such-folder") == {}
-    with pytest.raises(ValueError, match="cannot name a staging folder"):
-        write_part(tmp_path, "../escape", 0, 0, [], schema)
+    for bad in ("../escape", ".hidden", "", "a/b", "a=b", "a%2Fb"):
+        with pytest.raises(ValueError, match="cannot name a staging folder: allowed are letters, digits"):
+            write_part(tmp_path, bad, 0, 0, [], schema)
+
+
+def test_attempt_ids_that_look_like_dates_or_numbers_stay_strings(spark, tmp_path: Path) -> None:
+    schema = arrow_schema(COLUMNS)
+    for attempt in ("2024-01-01", "12"):
+        write_part(tmp_path, attempt, 0, 0, [typed_rows(COLUMNS, TEXTS)], schema)
+    staged = read_staged(spark, tmp_path, ["2024-01-01", "12"], fallback(COLUMNS))
+    assert staged.schema[ATTEMPT_COLUMN].dataType == T.StringType()
+    assert {r[ATTEMPT_COLUMN] for r in staged.collect()} == {"2024-01-01", "12"}
+    assert spark.conf.get("spark.sql.sources.partitionColumnTypeInference.enabled") == "true"  # restored
