@@ -199,6 +199,7 @@ class PostgresPipeline:
             counts[row["chunk"]] += row["rows"]
         return counts
 
+    # -- streaming -------------------------------------------------------------------------------------------
     def stream_batch(self, spark: SparkSession, recorded_lsn: int | None, run_id: str) -> StreamReport:
         started = time.monotonic()
         tables = self.tables
