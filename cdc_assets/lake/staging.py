@@ -7,6 +7,7 @@ Contract (``<table>/staged/_cdc_attempt=<attempt>/chunk-<n>-part-<k>.parquet``):
   written under a hidden temporary name (Spark and the counts skip names that start with ``.``) and renamed into
   place when complete, so a reader never sees a partial file. The name depends only on (attempt, chunk, part): a
   retried task replaces the file of the failed one. A sub-range without rows still writes a file without rows.
+  Any table the codec makes is writable (a NULL list that spans values is rebuilt first).
 - ``staged_row_counts(folder, attempts)``: rows per (attempt, chunk), summed from the files' footers in the
   calling process (no Spark job).
 - ``read_staged(spark, folder, attempts, fallback)``: the rows of ``attempts`` as one frame, with ``_cdc_attempt``
@@ -69,6 +70,17 @@ def staged_schema(schema: pa.Schema) -> pa.Schema:
     return schema.append(pa.field(CHUNK_COLUMN, pa.int32()))
 
 
+def _writable(table: pa.Table) -> pa.Table:
+    """``table`` with every nested column that has NULLs rebuilt by ``take``: the codec may leave a NULL list slot
+    spanning values (an array with an unrepresentable element becomes NULL after its elements were decoded), which
+    Arrow allows but pyarrow's Parquet writer refuses ("Lists with non-zero length null components")."""
+    for index, field in enumerate(table.schema):
+        column = table.column(index)
+        if pa.types.is_nested(field.type) and column.null_count:
+            table = table.set_column(index, field, column.take(pa.array(np.arange(len(column)))))
+    return table
+
+
 def write_part(
     folder: str | os.PathLike[str],
     attempt: str,
@@ -87,7 +99,7 @@ def write_part(
         with pq.ParquetWriter(temporary, staged_schema(schema), write_statistics=False) as writer:
             for table in tables:
                 count = table.num_rows
-                table = table.append_column(CHUNK_COLUMN, pa.array(np.full(count, chunk, dtype=np.int32)))
+                table = _writable(table).append_column(CHUNK_COLUMN, pa.array(np.full(count, chunk, dtype=np.int32)))
                 writer.write_table(table)
                 rows += count
         os.replace(temporary, target)
