@@ -26,8 +26,7 @@ they never conflict with a merge or a reconciliation; snapshot runs write only t
 from __future__ import annotations
 
 import time
-from collections.abc import Collection, Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -41,6 +40,7 @@ from cdc_assets.lake import windows as window_log
 from cdc_assets.lake.delta_tables import table_or_none
 from cdc_assets.lake.layout import SourceLake, UpkeepStep
 from cdc_assets.lake.retry import commit_with_retry
+from cdc_assets.lake.spark import session_conf
 
 # Delta's VACUUM lists the table's folders in a Spark job of this many tasks. Spark's default (10000) made one
 # VACUUM of a table of a few files take 40-50 s on 2 cores; 1, 2 and 8 tasks measured alike (3.0-3.9 s). A fixed
@@ -63,27 +63,11 @@ def _last_metrics(table: DeltaTable, operation: str) -> dict[str, str]:
     return dict(row["operationMetrics"] or {})
 
 
-@contextmanager
-def _session_conf(spark: SparkSession, settings: dict[str, str]) -> Iterator[None]:
-    """``settings`` in the session's conf for the duration of the block, then the previous values."""
-    saved = {key: spark.conf.get(key, None) for key in settings}
-    try:
-        for key, value in settings.items():
-            spark.conf.set(key, value)
-        yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                spark.conf.unset(key)
-            else:
-                spark.conf.set(key, value)
-
-
 def compact(spark: SparkSession, path: str, target_bytes: int) -> tuple[int, int]:
     table = table_or_none(spark, path)
     if table is None:
         return 0, 0
-    with _session_conf(spark, dict.fromkeys(OPTIMIZE_FILE_SIZE_CONFS, str(target_bytes))):
+    with session_conf(spark, dict.fromkeys(OPTIMIZE_FILE_SIZE_CONFS, str(target_bytes))):
         metrics = commit_with_retry(lambda: table.optimize().executeCompaction().first(), f"compact {path}")
     if metrics is None:
         return 0, 0
@@ -95,7 +79,7 @@ def vacuum(spark: SparkSession, path: str, retention_hours: float | None = None)
     table = table_or_none(spark, path)
     if table is None:
         return 0
-    with _session_conf(spark, {LISTING_PARALLELISM: LISTING_TASKS}):
+    with session_conf(spark, {LISTING_PARALLELISM: LISTING_TASKS}):
         commit_with_retry(lambda: table.vacuum(retention_hours), f"vacuum {path}")
     return int(_last_metrics(table, "VACUUM END").get("numDeletedFiles", 0))
 

@@ -5,13 +5,16 @@ Delta (SQL extension, catalog), the UTC session time zone (the codec's timestamp
 transfers, and the user's ``spark.conf``. ``remote`` connects to a Spark Connect server instead of starting a
 driver. A local driver loads the Delta jars that ``scripts/setup.sh`` fetched with Maven into ``.jars/`` (or the
 folder named by ``CDC_JARS_DIR``); Python workers run the driver's interpreter unless ``PYSPARK_PYTHON`` says
-otherwise.
+otherwise. ``session_conf(spark, settings)`` sets ``settings`` in the session's conf for the duration of a block,
+then restores the previous values.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from pyspark.sql import SparkSession
@@ -61,3 +64,19 @@ def spark_session(config: SparkConfig) -> SparkSession:
     session = builder.getOrCreate()
     session.sparkContext.setLogLevel("ERROR")
     return session
+
+
+@contextmanager
+def session_conf(spark: SparkSession, settings: dict[str, str]) -> Iterator[None]:
+    """``settings`` in the session's conf for the duration of the block, then the previous values."""
+    saved = {key: spark.conf.get(key, None) for key in settings}
+    try:
+        for key, value in settings.items():
+            spark.conf.set(key, value)
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                spark.conf.unset(key)
+            else:
+                spark.conf.set(key, value)

@@ -44,6 +44,8 @@ import pyarrow.parquet as pq
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import types as T
 
+from cdc_assets.lake.spark import session_conf
+
 CHUNK_COLUMN = "_cdc_chunk"
 ATTEMPT_COLUMN = "_cdc_attempt"
 PART_FILE = re.compile(r"chunk-(\d+)-part-(\d+)\.parquet")
@@ -136,20 +138,13 @@ def read_staged(
     ]
     if not paths:
         return spark.createDataFrame([], fallback)
-    saved = spark.conf.get(INFERENCE_CONF, None)
-    spark.conf.set(INFERENCE_CONF, "false")
-    try:  # the folders' partition values are typed when the frame is created, here
+    with session_conf(spark, {INFERENCE_CONF: "false"}):  # the folders' partition values are typed here
         reader = spark.read.option("mergeSchema", "true").option("basePath", str(folder))
         # no row-group pruning by dictionary: when a staged file's key column was dictionary-encoded in every row
         # group (pyarrow's default, which ``write_part`` no longer uses; older files may have it), parquet-mr expanded
         # each dictionary into a hash set of boxed values to test the join's IS NOT NULL filter: 16 s of garbage
         # collection in a 10M-row reconciliation. Staged rows are read whole by attempt: nothing to prune.
         return reader.option("parquet.filter.dictionary.enabled", "false").parquet(*paths)
-    finally:
-        if saved is None:
-            spark.conf.unset(INFERENCE_CONF)
-        else:
-            spark.conf.set(INFERENCE_CONF, saved)
 
 
 def staged_attempt_times(folder: str | os.PathLike[str]) -> dict[str, float]:
