@@ -439,11 +439,7 @@ def reconcile(
     if not windows:
         return []
     check_staged_rows(staging_path, windows)
-    expected = T.StructType(
-        [*spark_schema(list(columns)).fields, T.StructField(staging.CHUNK_COLUMN, T.IntegerType()),
-         T.StructField(staging.ATTEMPT_COLUMN, T.StringType())]
-    )  # fmt: skip
-    staged_frame = staging.read_staged(spark, staging_path, (w.attempt for w in windows), expected)
+    staged_frame = staging.read_staged(spark, staging_path, (w.attempt for w in windows), list(columns))
     # a column the read had but the caller's description lacks (added since the stream run described the table)
     staged_source_fields = [f for f in staged_frame.schema.fields if f.name not in STAGING_ONLY_COLUMNS]
     mirror = ensure_mirror(spark, mirror_path, columns, also=staged_source_fields)

@@ -77,7 +77,7 @@ def _range_stager(
     connection: PostgresConnection, source_name: str, table: CapturedTable, staging_path: str, attempt: str
 ):
     """The ``mapInArrow`` function of a chunk read: one ``COPY`` per sub-range row, typed by the shared codec and
-    written as one staged file; yields (chunk, part, rows) per sub-range."""
+    written as one staged file; yields (chunk, rows) per sub-range."""
     columns = list(table.columns)
     schema = arrow_schema(columns)
 
@@ -91,10 +91,8 @@ def _range_stager(
                     tables = copy_query_to_arrow(conn, snapshot.chunk_select(table, lo, hi), columns)
                     rows = staging.write_part(staging_path, attempt, item["chunk"], item["part"], tables, schema)
                     yield pa.RecordBatch.from_arrays(
-                        [pa.array([item["chunk"]], pa.int32()), pa.array([item["part"]], pa.int32()),
-                         pa.array([rows], pa.int64())],
-                        names=["chunk", "part", "rows"],
-                    )  # fmt: skip
+                        [pa.array([item["chunk"]], pa.int32()), pa.array([rows], pa.int64())], names=["chunk", "rows"]
+                    )
         finally:
             conn.close()
 
@@ -195,7 +193,7 @@ class PostgresPipeline:
         stager = _range_stager(self.source.connection, self.source.name, table, staging_path, attempt)
         frame = spark.createDataFrame(ranges, "chunk int, part int, lo string, hi string").repartition(len(ranges))
         counts = dict.fromkeys((c.index for c in chunks), 0)
-        for row in frame.mapInArrow(stager, "chunk int, part int, rows long").collect():
+        for row in frame.mapInArrow(stager, "chunk int, rows long").collect():
             counts[row["chunk"]] += row["rows"]
         return counts
 

@@ -10,10 +10,10 @@ Contract (``<table>/staged/_cdc_attempt=<attempt>/chunk-<n>-part-<k>.parquet``):
   Any table the codec makes is writable (a NULL list that spans values is rebuilt first).
 - ``staged_row_counts(folder, attempts)``: rows per (attempt, chunk), summed from the files' footers in the
   calling process (no Spark job).
-- ``read_staged(spark, folder, attempts, fallback)``: the rows of ``attempts`` as one frame, with ``_cdc_attempt``
+- ``read_staged(spark, folder, attempts, columns)``: the rows of ``attempts`` as one frame, with ``_cdc_attempt``
   (a string) from the folder name as a partition column. The attempts' schemas are merged: an attempt read before
-  a column was added has NULL in it. ``fallback`` is the schema of
-  the empty frame returned when none of the attempts has a file.
+  a column was added has NULL in it. When none of the attempts has a file, an empty frame of ``columns`` (the
+  caller's description of the table) with ``_cdc_chunk`` and ``_cdc_attempt``.
 - ``staged_attempt_times(folder)``: each staged attempt with the modification time (epoch seconds) of its newest
   file.
 - ``drop_attempts(folder, attempts)``: deletes the attempts' folders and returns the number of files deleted.
@@ -44,13 +44,12 @@ import pyarrow.parquet as pq
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import types as T
 
+from cdc_assets.engine.pg_values import PgColumn, spark_schema
 from cdc_assets.lake.spark import session_conf
 
 CHUNK_COLUMN = "_cdc_chunk"
 ATTEMPT_COLUMN = "_cdc_attempt"
 PART_FILE = re.compile(r"chunk-(\d+)-part-(\d+)\.parquet")
-
-
 ATTEMPT_FOLDER_PREFIX = f"{ATTEMPT_COLUMN}="
 ATTEMPT_ID = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]*")
 # a partition value like "2024-01-01" or "12" would otherwise be typed as a date or a number
@@ -131,13 +130,14 @@ def staged_row_counts(folder: str | os.PathLike[str], attempts: Iterable[str]) -
 
 
 def read_staged(
-    spark: SparkSession, folder: str | os.PathLike[str], attempts: Iterable[str], fallback: T.StructType
+    spark: SparkSession, folder: str | os.PathLike[str], attempts: Iterable[str], columns: list[PgColumn]
 ) -> DataFrame:
     paths = [
         str(path) for attempt in sorted(set(attempts)) if any(_part_files(path := _attempt_folder(folder, attempt)))
     ]
     if not paths:
-        return spark.createDataFrame([], fallback)
+        fields = [T.StructField(CHUNK_COLUMN, T.IntegerType()), T.StructField(ATTEMPT_COLUMN, T.StringType())]
+        return spark.createDataFrame([], T.StructType([*spark_schema(columns).fields, *fields]))
     with session_conf(spark, {INFERENCE_CONF: "false"}):  # the folders' partition values are typed here
         reader = spark.read.option("mergeSchema", "true").option("basePath", str(folder))
         # no row-group pruning by dictionary: when a staged file's key column was dictionary-encoded in every row

@@ -68,7 +68,7 @@ def typed_rows(columns: list[PgColumn], texts: dict[str, list[str | None]]) -> p
     return decode_text_table(columns, pa.table({n: pa.array(texts[n], pa.string()) for n in names}))
 
 
-def fallback(columns: list[PgColumn]) -> T.StructType:
+def expected_schema(columns: list[PgColumn]) -> T.StructType:
     return T.StructType(
         [*spark_schema(columns).fields, T.StructField(CHUNK_COLUMN, T.IntegerType()),
          T.StructField(ATTEMPT_COLUMN, T.StringType())]
@@ -79,8 +79,8 @@ def test_every_codec_type_reads_back_as_its_spark_type_and_value(spark, tmp_path
     table = typed_rows(COLUMNS, TEXTS)
     rows = write_part(tmp_path, "a1", 3, 0, [table.slice(0, 2), table.slice(2)], arrow_schema(COLUMNS))
     assert rows == 3
-    staged = read_staged(spark, tmp_path, ["a1"], fallback(COLUMNS))
-    assert staged.schema == fallback(COLUMNS)
+    staged = read_staged(spark, tmp_path, ["a1"], COLUMNS)
+    assert staged.schema == expected_schema(COLUMNS)
     expected = spark.createDataFrame(table, schema=spark_schema(COLUMNS))
     names = [*(c.name for c in COLUMNS), UNREPRESENTABLE_COLUMN]
     assert staged.select(*names).orderBy("id").collect() == expected.orderBy("id").collect()
@@ -108,28 +108,28 @@ def test_a_retried_part_replaces_its_file_and_a_failed_one_leaves_nothing(spark,
         write_part(tmp_path, "a1", 1, 0, dies_after_one_batch(), schema)
     assert staged_row_counts(tmp_path, ["a1"]) == {("a1", 0): 3}  # no chunk 1 file, complete or partial
     assert sorted(os.listdir(tmp_path / "_cdc_attempt=a1")) == ["chunk-0-part-0.parquet", "chunk-0-part-1.parquet"]
-    assert read_staged(spark, tmp_path, ["a1"], fallback(COLUMNS)).count() == 3
+    assert read_staged(spark, tmp_path, ["a1"], COLUMNS).count() == 3
 
 
 def test_attempts_staged_before_a_column_was_added_read_it_as_null(spark, tmp_path: Path) -> None:
     before = [c for c in COLUMNS if c.name != "name"]
     write_part(tmp_path, "old", 0, 0, [typed_rows(before, TEXTS)], arrow_schema(before))
     write_part(tmp_path, "new", 0, 0, [typed_rows(COLUMNS, TEXTS)], arrow_schema(COLUMNS))
-    staged = read_staged(spark, tmp_path, ["old", "new"], fallback(COLUMNS))
+    staged = read_staged(spark, tmp_path, ["old", "new"], COLUMNS)
     names = {(r[ATTEMPT_COLUMN], r["id"]): r["name"] for r in staged.collect()}
     assert names == {("old", 1): None, ("old", 2): None, ("old", 3): None,
                      ("new", 1): "", ("new", 2): None, ("new", 3): "ünïcode"}  # fmt: skip
     # only the attempts asked for are read
-    assert read_staged(spark, tmp_path, ["old"], fallback(COLUMNS)).count() == 3
+    assert read_staged(spark, tmp_path, ["old"], COLUMNS).count() == 3
 
 
 def test_empty_reads_missing_attempts_times_and_drops(spark, tmp_path: Path) -> None:
     schema = arrow_schema(COLUMNS)
     assert write_part(tmp_path, "a1", 5, 0, iter(()), schema) == 0  # a sub-range without rows still has a file
     assert staged_row_counts(tmp_path, ["a1", "gone"]) == {("a1", 5): 0}
-    assert read_staged(spark, tmp_path, ["a1"], fallback(COLUMNS)).count() == 0
-    missing = read_staged(spark, tmp_path, ["gone"], fallback(COLUMNS))
-    assert missing.count() == 0 and missing.schema == fallback(COLUMNS)
+    assert read_staged(spark, tmp_path, ["a1"], COLUMNS).count() == 0
+    missing = read_staged(spark, tmp_path, ["gone"], COLUMNS)
+    assert missing.count() == 0 and missing.schema == expected_schema(COLUMNS)
     write_part(tmp_path, "a2", 0, 0, [typed_rows(COLUMNS, TEXTS)], schema)
     os.utime(tmp_path / "_cdc_attempt=a1" / "chunk-5-part-0.parquet", (1_000_000, 1_000_000))
     times = staged_attempt_times(tmp_path)
@@ -146,7 +146,7 @@ def test_attempt_ids_that_look_like_dates_or_numbers_stay_strings(spark, tmp_pat
     schema = arrow_schema(COLUMNS)
     for attempt in ("2024-01-01", "12"):
         write_part(tmp_path, attempt, 0, 0, [typed_rows(COLUMNS, TEXTS)], schema)
-    staged = read_staged(spark, tmp_path, ["2024-01-01", "12"], fallback(COLUMNS))
+    staged = read_staged(spark, tmp_path, ["2024-01-01", "12"], COLUMNS)
     assert staged.schema[ATTEMPT_COLUMN].dataType == T.StringType()
     assert {r[ATTEMPT_COLUMN] for r in staged.collect()} == {"2024-01-01", "12"}
     assert spark.conf.get("spark.sql.sources.partitionColumnTypeInference.enabled") == "true"  # restored
