@@ -522,13 +522,19 @@ def reconcile(
             F.col("_w_at").alias("_cdc_ts"),
         )
 
-    kept = staged_rows(staged_aliased.join(touched_keys, key_match, "left_anti"), "u")
-
-    # a touched key whose mirror row has unknown (unchanged TOAST) values and whose row was never replaced since
-    # the window opened: those columns did not change since the read (a change would have carried them), so the
-    # staged value is the value
-    stable = staged_aliased.join(touched_keys, key_match, "left_semi").join(unstable_keys, key_match, "left_anti")
-    fill = staged_rows(stable, "f")
+    # no transaction unsettled at any window's low watermark changed anything since (a quiet source, or the first
+    # snapshot before the stream has run): every staged row is kept, none fills, none is truncated, and the plans
+    # below need no join of the staged rows with the touched keys
+    any_touched = touched is not None and not touched.isEmpty()
+    if any_touched:
+        kept = staged_rows(staged_aliased.join(touched_keys, key_match, "left_anti"), "u")
+        # a touched key whose mirror row has unknown (unchanged TOAST) values and whose row was never replaced
+        # since the window opened: those columns did not change since the read (a change would have carried
+        # them), so the staged value is the value
+        stable = staged_aliased.join(touched_keys, key_match, "left_semi").join(unstable_keys, key_match, "left_anti")
+        fill = staged_rows(stable, "f")
+    else:
+        kept = staged_rows(staged_aliased, "u")
 
     # mirror rows inside a chunk's range that the read did not see and no unsettled transaction touched
     in_range = F.lit(None).cast("int")
@@ -549,7 +555,9 @@ def reconcile(
     existing = existing.select(*[F.col(q(k)) for k in key_columns], in_range.alias("_w_chunk"))
     existing = existing.where(F.col("_w_chunk").isNotNull()).join(window_frame, "_w_chunk")
     existing = existing.select("_w_attempt", "_w_chunk", "_w_hw", *[F.col(q(k)).alias(f"_t_{k}") for k in key_columns])
-    vanished = existing.join(staged_keys, key_match, "left_anti").join(touched_keys, key_match, "left_anti")
+    vanished = existing.join(staged_keys, key_match, "left_anti")
+    if any_touched:
+        vanished = vanished.join(touched_keys, key_match, "left_anti")
     vanished = vanished.select(
         F.lit("d").alias("_kind"),
         "_w_attempt",
@@ -564,14 +572,26 @@ def reconcile(
     # once; every input is fixed (staged attempts are immutable, ``touched`` is cached, only this run writes the
     # mirror and the appended chunks are excluded from the MERGE), so both see the same rows. Caching all the rows
     # cost more than the reconciliation's writes (1M rows: 15 s of 21 s).
-    source = kept.unionByName(vanished, allowMissingColumns=True).unionByName(fill, allowMissingColumns=True)
+    source = kept.unionByName(vanished, allowMissingColumns=True)
+    if any_touched:
+        source = source.unionByName(fill, allowMissingColumns=True)
     try:
-        counts = {
-            (r["_w_chunk"], r["_kind"]): r["count"] for r in source.groupBy("_w_chunk", "_kind").count().collect()
-        }
         # a chunk whose range the mirror holds no row of (the usual first snapshot) is an append: nothing to match,
         # update or delete there, so its kept rows are inserted without a join (a MERGE would give the same rows)
         occupied = {r["_w_chunk"] for r in existing.select("_w_chunk").distinct().collect()}
+        if any_touched:
+            counts = {
+                (r["_w_chunk"], r["_kind"]): r["count"] for r in source.groupBy("_w_chunk", "_kind").count().collect()
+            }
+        else:
+            # every staged row is kept: the counts are the recorded ones (``check_staged_rows`` compared them with
+            # the files), so only the vanished rows, which exist only where the mirror holds rows, are counted
+            counts = {}
+            for w in windows:
+                if w.rows:
+                    counts[(w.chunk, "u")] = counts.get((w.chunk, "u"), 0) + w.rows
+            if occupied:
+                counts |= {(r["_w_chunk"], "d"): r["count"] for r in vanished.groupBy("_w_chunk").count().collect()}
         empty = sorted({w.chunk for w in windows if w.attempt not in truncated} - occupied)
         if empty and any(counts.get((c, "u"), 0) for c in empty):
             mirror_fields = mirror.toDF().schema.fields

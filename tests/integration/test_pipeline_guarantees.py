@@ -221,6 +221,38 @@ def test_idle_table_chunk_is_reconciled_without_writes(source, spark) -> None:
     assert mirror == source_rows(config.sources[0], table)
 
 
+def test_resnapshot_of_a_chunk_the_source_emptied_deletes_the_mirror_rows_left_there(source, spark) -> None:
+    """A chunk whose rows are all gone at the source reads no row; its reconciliation must still delete the rows
+    the mirror holds in its range (drift: here, rows appended to the mirror by hand) and report them deleted."""
+    admin, _, config = source
+    pipeline = PostgresPipeline(config, config.sources[0])
+    table = pipeline.prepare()["public.items"]
+    chunk = pipeline.plan(table).chunks[1]
+    lo, hi = int(chunk.lo[0]), int(chunk.hi[0])
+    admin.execute("delete from items where id >= %s and id < %s", [lo, hi])
+    recorded = catch_up(pipeline, spark, None)  # the seed rows arrive by stream, without the chunk's
+    mirror_path = pipeline.lake.table("public.items").mirror
+    mirror = spark.read.format("delta").load(mirror_path)
+    assert mirror.where(f"id >= {lo} and id < {hi}").count() == 0
+    below = mirror.where(f"id < {lo}").orderBy("id").limit(3)
+    first = below.agg(F.min("id")).first()[0]
+    phantoms = below.withColumn("id", F.col("id") - F.lit(first) + F.lit(lo))  # the seed's keys are dense
+    phantoms.write.format("delta").mode("append").save(mirror_path)
+    assert spark.read.format("delta").load(mirror_path).where(f"id >= {lo} and id < {hi}").count() == 3
+
+    report = pipeline.snapshot(spark, table, [1], "emptied")
+    assert report.rows == 0
+    reconciled = []
+    for _ in range(10):
+        recorded, batch = stream_once(pipeline, spark, recorded)
+        reconciled += batch.reconciled
+        if batch.waiting_windows == 0:
+            break
+        time.sleep(0.5)
+    assert [(r["chunk"], r["kept"], r["dropped"], r["deleted"]) for r in reconciled] == [(1, 0, 0, 3)]
+    assert mirror_rows(spark, mirror_path, table) == source_rows(config.sources[0], table)
+
+
 def test_commit_held_at_the_low_watermark_is_not_overwritten_by_the_read(source, spark) -> None:
     """A commit record can precede the low watermark while its transaction is still in the snapshot's ``xip``
     (the commit waits for a WAL flush or a synchronous standby). The read cannot see it, the stream applies it: the
