@@ -740,7 +740,7 @@ _CSV_PARSE = pacsv.ParseOptions(
 )
 
 
-def _last_row_end(buffer: bytearray) -> int:
+def _last_row_end(buffer: bytes | bytearray) -> int:
     """Offset just after the last complete CSV row in ``buffer`` (which starts at a row start), or 0.
 
     A newline ends a row when an even number of quote characters precedes it (PostgreSQL doubles quotes inside
@@ -783,29 +783,27 @@ def _parse_csv_segment(segment: bytes, names: list[str]) -> Iterator[pa.RecordBa
 
 
 def _copy_segments(chunks: Iterable[bytes | memoryview], segment_bytes: int) -> Iterator[bytes]:
-    """COPY CSV output cut at row boundaries into segments of about ``segment_bytes`` (a longer row: more)."""
+    """COPY CSV output cut at row boundaries into segments of about ``segment_bytes`` (a longer row: more).
+
+    The chunks are appended to a buffer until about ``segment_bytes`` are in; then it is cut after its last whole
+    row (``_last_row_end``) and the rest starts the next segment. PostgreSQL sends one CopyData message per row,
+    so work per chunk is work per row: it is kept to the append (the quote and newline scans run once per
+    segment, in C). A buffer with no whole row yet waits for twice as many bytes before the next scan."""
     buffer = bytearray()
-    quote_parity = 0
-    row_end = 0  # a known row boundary in buffer
-    scanned = 0  # len(buffer) at the last unsuccessful boundary scan
+    wanted = segment_bytes
     for data in chunks:
-        start = len(buffer)
         buffer += data
-        quote_parity ^= buffer.count(b'"', start) & 1
-        if quote_parity == 0 and buffer.endswith(b"\n"):
-            row_end = len(buffer)  # PostgreSQL sends one row per CopyData message: the common case
-        if len(buffer) < segment_bytes:
+        if len(buffer) < wanted:
             continue
-        if row_end == 0 and len(buffer) >= 2 * max(scanned, segment_bytes // 2):
-            row_end = _last_row_end(buffer)
-            scanned = len(buffer)
-        if row_end:
-            with memoryview(buffer) as view:
-                segment = bytes(view[:row_end])
-            del buffer[:row_end]
-            yield segment
-            quote_parity = buffer.count(b'"') & 1
-            row_end = scanned = 0
+        row_end = _last_row_end(buffer)
+        if row_end == 0:
+            wanted = 2 * len(buffer)
+            continue
+        with memoryview(buffer) as view:
+            segment = bytes(view[:row_end])
+        del buffer[:row_end]
+        wanted = segment_bytes
+        yield segment
     if buffer:
         yield bytes(buffer)
 
