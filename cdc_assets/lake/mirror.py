@@ -497,12 +497,10 @@ def reconcile(
             .distinct()
         )
 
-    attempts = [w.attempt for w in windows]
-    staged = (
-        staged_frame
-        .where(F.col("_cdc_attempt").isin(attempts))
-        .join(window_frame, (F.col("_cdc_attempt") == F.col("_w_attempt")) & (F.col("_cdc_chunk") == F.col("_w_chunk")))
-    )  # fmt: skip
+    # ``read_staged`` read only these windows' attempts; the join pairs each row with its own window
+    staged = staged_frame.join(
+        window_frame, (F.col("_cdc_attempt") == F.col("_w_attempt")) & (F.col("_cdc_chunk") == F.col("_w_chunk"))
+    )
     staged_keys = staged.select("_w_attempt", *[F.col(q(k)).alias(f"_t_{k}") for k in key_columns])
     staged = staged.where(~F.col("_w_attempt").isin(list(truncated)) if truncated else F.lit(True))
     key_match = ["_w_attempt", *[f"_t_{k}" for k in key_columns]]
