@@ -19,7 +19,13 @@ run starts its own, see ``bench.freshness``):
    batches' phase seconds (read = peek + fetch + pgoutput decode + spill; changelog; merge; reconcile), CPU seconds and
    peak RSS of driver, JVM and Python workers. Checked afterwards: the mirror's row count, sum(id) and sum(amount)
    equal the source's.
-5. Upkeep: ``maintain_lake`` once (both steps, what a stream run does at most every ``stream.compact_seconds`` and
+5. Floor, Spark and Delta alone on the same batches: a copy of the mirror as it was before step 4 (Delta
+   ``RESTORE`` of its version then), and for each of our batches, its changes taken from our changelog: their append
+   to a fresh Delta changelog, then the MERGE of their net change per key (precomputed and materialized beforehand,
+   untimed) with the pipeline's own statement (``merge_net_changes``). No slot read, no decode, no net-change
+   computation, and a JVM already warmed by step 4: what Spark and Delta alone take for these batches on this
+   machine, an upper bound of our rate. Checked: the copy's count and sums equal our mirror's.
+6. Upkeep: ``maintain_lake`` once (both steps, what a stream run does at most every ``stream.compact_seconds`` and
    ``stream.vacuum_seconds``): its seconds and the
    mirror's and changelog's file counts before and after; the mirror's sums must not change.
 
@@ -31,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
 import time
 import uuid
@@ -203,13 +210,19 @@ def run(args: argparse.Namespace, lake: Path) -> dict[str, Any]:
         print(f"[stream] {item['kind']}: {item['messages']:,} messages in {item['seconds']:.2f} s", flush=True)
 
     # 4. ours
+    from delta.tables import DeltaTable
+
+    paths = pipeline.lake.table(table.qualified_name)
+    version_before = DeltaTable.forPath(spark, paths.mirror).history(1).select("version").first()[0]
+    bounds: list[tuple[int, int]] = []
     sampler = Sampler(os.getpid(), lifetime_peak=False).start()
     batches = []
     started = time.monotonic()
     applied = 0
     while recorded is None or recorded < end_lsn:
         report = pipeline.stream_batch(spark, recorded, run_id)
-        recorded = parse_lsn(str(report.offset["lsn"]))
+        previous, recorded = recorded, parse_lsn(str(report.offset["lsn"]))
+        bounds.append((previous, recorded))
         pipeline.acknowledge(recorded)
         applied += report.changes
         batches.append({"t": round(time.monotonic() - started, 2), "changes": report.changes,
@@ -223,18 +236,23 @@ def run(args: argparse.Namespace, lake: Path) -> dict[str, Any]:
     usage = sampler.finish()
 
     # check
-    mirror = spark.read.format("delta").load(pipeline.lake.table(table.qualified_name).mirror)
-    mirror_sums = mirror.selectExpr("count(*)", "sum(id)", "sum(amount)").first()
+    mirror = spark.read.format("delta").load(paths.mirror)
+    mirror_sums = mirror.selectExpr(*SUMS).first()
     with admin_connect() as conn:
         source_sums = conn.execute(f"select count(*), sum(id), sum(amount) from {TABLE}").fetchone()
     check = {"source": [str(v) for v in source_sums], "mirror": [str(v) for v in mirror_sums]}
     if [str(v) for v in source_sums] != [str(v) for v in mirror_sums]:
         raise RuntimeError(f"mirror differs from source: {check}")
 
-    # 5. the lake upkeep a stream run does between batches (at most every stream.compact_seconds / vacuum_seconds)
-    from cdc_assets.lake.maintenance import maintain_lake
+    # 5. Spark and Delta alone on the same batches
+    floor = delta_floor(spark, paths.mirror, paths.changelog, version_before, bounds, list(table.key_columns), lake)
+    if floor["sums"] != check["mirror"]:
+        raise RuntimeError(f"the floor's mirror differs from ours: {floor['sums']} vs {check['mirror']}")
+    print(f"[stream] floor: changelog append {floor['append_seconds']:.1f} s, MERGE {floor['merge_seconds']:.1f} s",
+          flush=True)  # fmt: skip
 
-    paths = pipeline.lake.table(table.qualified_name)
+    # 6. the lake upkeep a stream run does between batches (at most every stream.compact_seconds / vacuum_seconds)
+    from cdc_assets.lake.maintenance import maintain_lake
 
     def files() -> dict[str, int]:
         return {kind: len(spark.read.format("delta").load(path).inputFiles())
@@ -259,9 +277,68 @@ def run(args: argparse.Namespace, lake: Path) -> dict[str, Any]:
         "decode": decode,
         "ours": {"changes": applied, "seconds": apply_seconds, "batches": batches, "usage": usage_json(usage)},
         "check": check,
+        "floor": floor,
         "upkeep": {"seconds": upkeep_seconds, "files_before": files_before, "files_after": files_after,
                    "staging_files_dropped": upkeep.staging_files_dropped, "files_vacuumed": upkeep.files_vacuumed},
     }  # fmt: skip
+
+
+SUMS = ("count(*)", "sum(id)", "sum(amount)")
+
+
+def delta_floor(
+    spark: Any, mirror_path: str, changelog_path: str, version: int, bounds: list[tuple[int, int]],
+    key_columns: list[str], lake: Path,
+) -> dict[str, Any]:  # fmt: skip
+    """Step 5 of the module docstring: Spark and Delta alone on the batches ``bounds`` (``_cdc_position`` ranges),
+    starting from the mirror's ``version``. Returns the timed seconds per batch and the copy's sums."""
+    from delta.tables import DeltaTable
+    from pyspark.sql import functions as F
+    from pyspark.sql.window import Window
+
+    from cdc_assets.engine.pg_values import UNREPRESENTABLE_COLUMN
+    from cdc_assets.lake.mirror import merge_net_changes, mirror_source_fields, q
+
+    work = lake / "floor"
+    shutil.rmtree(work, ignore_errors=True)
+    shutil.copytree(mirror_path, work / "mirror")
+    spark.sql(f"RESTORE TABLE delta.{q(str(work / 'mirror'))} TO VERSION AS OF {version}")
+    mirror = DeltaTable.forPath(spark, str(work / "mirror"))
+    columns = [f.name for f in mirror_source_fields(mirror)]
+    changelog = spark.read.format("delta").load(changelog_path)
+    keys = [f"_k_{k}" for k in key_columns]
+    latest = Window.partitionBy(*keys).orderBy(F.col("_cdc_position").desc(), F.col("_cdc_seq").desc())
+    batches = []
+    for number, (low, high) in enumerate(bounds):
+        rows = changelog.where((F.col("_cdc_position") > low) & (F.col("_cdc_position") <= high))
+        rows.write.parquet(str(work / f"changes-{number}"))
+        net = (
+            rows.select("*", *[F.coalesce(F.col(f"after.{q(k)}"), F.col(f"before.{q(k)}")).alias(f"_k_{k}")
+                               for k in key_columns])
+            .withColumn("_rank", F.row_number().over(latest))
+            .where(F.col("_rank") == 1)
+            .select(*keys, F.when(F.col("_cdc_op") == "d", "d").otherwise("u").alias("_kind"),
+                    *[F.col(f"after.{q(c)}").alias(c) for c in [*columns, UNREPRESENTABLE_COLUMN]],
+                    "_cdc_op", "_cdc_position", "_cdc_ts", F.lit(None).cast("array<string>").alias("_cdc_unknown"))
+        )  # fmt: skip
+        net.write.parquet(str(work / f"net-{number}"))
+        changes = spark.read.parquet(str(work / f"changes-{number}"))
+        started = time.monotonic()
+        changes.write.format("delta").mode("append").save(str(work / "changelog"))
+        append_seconds = time.monotonic() - started
+        started = time.monotonic()
+        merge_net_changes(mirror, spark.read.parquet(str(work / f"net-{number}")), columns, key_columns,
+                          str(work / "mirror"))  # fmt: skip
+        batches.append({"changes": changes.count(), "append_seconds": append_seconds,
+                        "merge_seconds": time.monotonic() - started})  # fmt: skip
+    sums = [str(v) for v in mirror.toDF().selectExpr(*SUMS).first()]
+    shutil.rmtree(work, ignore_errors=True)
+    return {
+        "batches": batches,
+        "append_seconds": sum(b["append_seconds"] for b in batches),
+        "merge_seconds": sum(b["merge_seconds"] for b in batches),
+        "sums": sums,
+    }
 
 
 def report(result: dict[str, Any], args: argparse.Namespace) -> None:
@@ -300,6 +377,15 @@ def report(result: dict[str, Any], args: argparse.Namespace) -> None:
           f"min {min(rates, default=0):,.0f}, max {max(rates, default=0):,.0f}")  # fmt: skip
     print(f"  our phase seconds (sum over batches): { {k: round(v, 1) for k, v in phases.items()} }")
     print(f"  our processes: {usage}")
+    floor = result["floor"]
+    floor_seconds = floor["append_seconds"] + floor["merge_seconds"]
+    floor_rate = ours["changes"] / floor_seconds
+    print(f"  floor, Spark + Delta alone on the same batches (warm JVM, no read or decode): changelog append "
+          f"{floor['append_seconds']:.1f} s + MERGE of the precomputed net changes {floor['merge_seconds']:.1f} s = "
+          f"{floor_seconds:.1f} s, {floor_rate:,.0f} changes/s")  # fmt: skip
+    print(f"  ratio ours / floor: {ours_rate / floor_rate:.3f}; targets against the floor: 100,000 changes/s is "
+          f"{100_000 / floor_rate:.2f}x it, 0.25x the decode limit ({0.25 * limit:,.0f}) is "
+          f"{0.25 * limit / floor_rate:.2f}x it")  # fmt: skip
     print(f"  Spark start-up {result['spark_start_seconds']:.1f} s (once, not in the figures above)")
     upkeep = result["upkeep"]
     print(f"  lake upkeep after the workload (maintain_lake): {upkeep['seconds']:.1f} s; files "
