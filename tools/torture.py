@@ -160,7 +160,7 @@ def worker_main(role: str, kind: str, result_fd: int, broken: bool, patched: boo
     import cdc_assets.lake.maintenance as maintenance_module
     import cdc_assets.lake.pipeline as pipeline_module
     from cdc_assets.engine import faults
-    from cdc_assets.lake.spark import BASE_CONF, spark_session
+    from cdc_assets.lake.spark import DERBY_OPTION, spark_session
     from cdc_assets.source import open_source
 
     channel = os.fdopen(result_fd, "w")
@@ -176,7 +176,7 @@ def worker_main(role: str, kind: str, result_fd: int, broken: bool, patched: boo
     torture = source_kind(kind)
     if broken and role == "stream":
         torture.break_settled_rule()
-    options = f"{BASE_CONF['spark.driver.extraJavaOptions']} {JVM_OPTIONS}"
+    options = f"{DERBY_OPTION} {JVM_OPTIONS}"  # its own collector: the JVM refuses two
     spark = spark_session(SparkConfig(master=WORKER_MASTER, conf={"spark.driver.extraJavaOptions": options}))
     warm_up(spark)
     _emit(channel, {"ready": True, "patches": patches})
