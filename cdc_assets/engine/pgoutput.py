@@ -176,12 +176,15 @@ class PgOutputDecoder:
             return LogicalMessage(transactional, lsn, prefix, bytes(data[offset + 4 : offset + 4 + length]))
         raise PgOutputError(f"unknown pgoutput message type {chr(kind)!r} (0x{kind:02x})")
 
-    def _transaction(self) -> Begin:
+    def transaction(self) -> Begin:
+        """The transaction a row change belongs to (the last Begin); ``PgOutputError`` outside one."""
         if self.current is None:
             raise PgOutputError("row change outside a transaction (no Begin message before it)")
         return self.current
 
-    def _relation_for(self, data: memoryview) -> Relation:
+    def relation_of(self, data: bytes | memoryview) -> Relation:
+        """The relation of an Insert, Update or Delete message (its row images are decoded elsewhere:
+        ``cdc_assets.engine.row_images`` decodes many at once); ``PgOutputError`` for one not announced."""
         (relation_id,) = _UINT32.unpack_from(data, 1)
         relation = self.relations.get(relation_id)
         if relation is None:
@@ -207,14 +210,14 @@ class PgOutputDecoder:
         return relation
 
     def _insert(self, data: memoryview) -> RowChange:
-        relation = self._relation_for(data)
+        relation = self.relation_of(data)
         if data[5] != 0x4E:  # N
             raise PgOutputError(f"insert into {relation.qualified_name}: expected new tuple marker 'N'")
         new, _ = _tuple(data, 6)
-        return RowChange("c", relation, new, None, False, self._transaction())
+        return RowChange("c", relation, new, None, False, self.transaction())
 
     def _update(self, data: memoryview) -> RowChange:
-        relation = self._relation_for(data)
+        relation = self.relation_of(data)
         old = None
         marker = data[5]
         offset = 6
@@ -227,15 +230,15 @@ class PgOutputDecoder:
         if marker != 0x4E:
             raise PgOutputError(f"update of {relation.qualified_name}: expected new tuple marker 'N'")
         new, _ = _tuple(data, offset)
-        return RowChange("u", relation, new, old, key_only, self._transaction())
+        return RowChange("u", relation, new, old, key_only, self.transaction())
 
     def _delete(self, data: memoryview) -> RowChange:
-        relation = self._relation_for(data)
+        relation = self.relation_of(data)
         marker = data[5]
         if marker not in (0x4B, 0x4F):
             raise PgOutputError(f"delete from {relation.qualified_name}: expected old tuple marker 'K' or 'O'")
         old, _ = _tuple(data, 6)
-        return RowChange("d", relation, None, old, marker == 0x4B, self._transaction())
+        return RowChange("d", relation, None, old, marker == 0x4B, self.transaction())
 
     def _truncate(self, data: memoryview) -> Truncate:
         (count,) = _UINT32.unpack_from(data, 1)
@@ -247,7 +250,7 @@ class PgOutputDecoder:
             if relation is None:
                 raise PgOutputError(f"truncate of relation {relation_id} before its Relation message")
             relations.append(relation)
-        return Truncate(tuple(relations), bool(options & 1), bool(options & 2), self._transaction())
+        return Truncate(tuple(relations), bool(options & 1), bool(options & 2), self.transaction())
 
 
 def _cstring(data: memoryview, offset: int) -> tuple[str, int]:

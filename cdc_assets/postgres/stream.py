@@ -5,7 +5,9 @@ Contract:
   cursor, bounded by ``upto_lsn`` = the server's flush LSN taken first and by ``upto_nchanges`` (which stops only at
   a transaction boundary), decodes pgoutput, and writes every change of a captured table to Parquet files under
   ``spill_dir/<table>/`` in parts of at most ``spill_rows`` rows, so driver memory stays bounded whatever the size
-  of one transaction. Values are decoded with the same codec as the snapshot path.
+  of one transaction. A row change is kept as its message until its part is written, then the part's messages are
+  decoded together, column by column (``cdc_assets.engine.row_images``). Values are decoded with the same codec as
+  the snapshot path.
 - Each spilled change carries ``_cdc_commit_lsn`` (the commit record's start, known at Begin) and ``_cdc_seq`` (order
   within its transaction); ``spill_dir/transactions.parquet`` maps each commit to its ``end_lsn`` (the change's
   ``_cdc_position``), 64-bit xid and commit time.
@@ -22,6 +24,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 
+import numpy as np
 import psycopg
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -29,11 +32,13 @@ import pyarrow.parquet as pq
 
 from cdc_assets.engine.lsn import format_lsn, parse_lsn
 from cdc_assets.engine.pg_values import PgColumn, columns_from_catalog, decode_text_table
-from cdc_assets.engine.pgoutput import UNCHANGED_TOAST, Begin, Commit, PgOutputDecoder, Relation, RowChange, Truncate
+from cdc_assets.engine.pgoutput import Begin, Commit, PgOutputDecoder, Relation, Truncate
+from cdc_assets.engine.row_images import decode_row_images
 from cdc_assets.engine.watermark import widen_xid
 from cdc_assets.postgres.catalog import CapturedTable
 from cdc_assets.postgres.snapshot import in_recovery
 
+ROW_CHANGE_TYPES = frozenset(b"IUD")  # Insert, Update, Delete
 META_COLUMNS = ("_cdc_op", "_cdc_commit_lsn", "_cdc_seq", "_cdc_before_key_only", "_cdc_unchanged")
 
 
@@ -47,45 +52,69 @@ class TableSpill:
     columns: list[PgColumn]
     directory: Path
     parts: list[Path] = field(default_factory=list)
-    rows: list[tuple] = field(default_factory=list)
+    messages: list[bytes] = field(default_factory=list)  # row changes, decoded column-wise when flushed
+    positions: list[tuple[int, int]] = field(default_factory=list)  # (commit_lsn, seq) of each message
+    truncate_positions: list[tuple[int, int]] = field(default_factory=list)  # not flushed yet
     unchanged_columns: set[str] = field(default_factory=set)
-    truncations: list[tuple[int, int]] = field(default_factory=list)  # (commit_lsn, seq)
+    truncations: list[tuple[int, int]] = field(default_factory=list)  # (commit_lsn, seq), the whole batch
     changes: int = 0
     added_columns: list[PgColumn] = field(default_factory=list)
 
+    @property
+    def pending(self) -> int:
+        return len(self.messages) + len(self.truncate_positions)
+
     def flush(self) -> None:
-        if not self.rows:
+        if not self.pending:
             return
         names = [c.name for c in self.columns]
-        ops, commits, seqs, key_only, unchanged, afters, befores = zip(*self.rows, strict=True)
-        after_texts = pa.table(
-            {n: pa.array([a[i] if a else None for a in afters], pa.string()) for i, n in enumerate(names)}
-        )
-        before_texts = pa.table(
-            {n: pa.array([b[i] if b else None for b in befores], pa.string()) for i, n in enumerate(names)}
-        )
-        after = decode_text_table(self.columns, after_texts)
-        before = decode_text_table(self.columns, before_texts)
-        has_after = pa.array([a is not None for a in afters])
-        has_before = pa.array([b is not None for b in befores])
-        after_struct = _struct(after, has_after)
-        before_struct = _struct(before, has_before)
+        images = decode_row_images(self.messages, len(names))
+        truncates = len(self.truncate_positions)
+        unchanged = images.new.unchanged.copy()
+        full_old = images.old.present & ~images.old_is_key_only
+        after_texts: dict[str, pa.Array] = {}
+        for index, name in enumerate(names):
+            value = images.new.values[index]
+            # an unchanged TOAST value takes the value of the full old row (replica identity FULL) when it has one
+            old_value = images.old.values[index]
+            from_old = unchanged[:, index] & full_old & old_value.is_valid().to_numpy(zero_copy_only=False)
+            if from_old.any():
+                value = pc.if_else(pa.array(from_old), old_value, value)
+                unchanged[from_old, index] = False
+            after_texts[name] = pa.concat_arrays([value, pa.nulls(truncates, pa.string())])
+        before_texts = {
+            name: pa.concat_arrays([images.old.values[i], pa.nulls(truncates, pa.string())])
+            for i, name in enumerate(names)
+        }
+        self.unchanged_columns |= {names[i] for i in np.flatnonzero(unchanged.any(axis=0))}
+        after = decode_text_table(self.columns, pa.table(after_texts))
+        before = decode_text_table(self.columns, pa.table(before_texts))
+        no_image, no_columns = np.zeros(truncates, bool), np.zeros((truncates, len(names)), bool)
+        commits, seqs = zip(*self.positions, *self.truncate_positions, strict=True)
         part = pa.table(
             {
-                "_cdc_op": pa.array(ops, pa.string()),
+                "_cdc_op": pa.array(np.concatenate([images.ops, np.full(truncates, "t")]), pa.string()),
                 "_cdc_commit_lsn": pa.array(commits, pa.int64()),
                 "_cdc_seq": pa.array(seqs, pa.int64()),
-                "_cdc_before_key_only": pa.array(key_only, pa.bool_()),
-                "_cdc_unchanged": pa.array(unchanged, pa.list_(pa.string())),
-                "after": after_struct,
-                "before": before_struct,
+                "_cdc_before_key_only": pa.array(np.concatenate([images.old_is_key_only, no_image])),
+                "_cdc_unchanged": _name_lists(names, np.concatenate([unchanged, no_columns])),
+                "after": _struct(after, pa.array(np.concatenate([images.new.present, no_image]))),
+                "before": _struct(before, pa.array(np.concatenate([images.old.present, no_image]))),
             }
         )
         self.directory.mkdir(parents=True, exist_ok=True)
         path = self.directory / f"part-{len(self.parts):05d}.parquet"
         pq.write_table(part, path)
         self.parts.append(path)
-        self.rows = []
+        self.messages, self.positions, self.truncate_positions = [], [], []
+
+
+def _name_lists(names: list[str], marked: np.ndarray) -> pa.ListArray:
+    """Per row, the names of its marked columns (in column order); an empty list where none is marked."""
+    _, columns = np.nonzero(marked)
+    offsets = np.zeros(len(marked) + 1, np.int32)
+    np.cumsum(marked.sum(axis=1), out=offsets[1:])
+    return pa.ListArray.from_arrays(pa.array(offsets), pa.array(names, pa.string()).take(pa.array(columns)))
 
 
 def _struct(table: pa.Table, present: pa.Array) -> pa.StructArray:
@@ -162,7 +191,8 @@ def read_batch(
     changes = 0
     current_xid = 0
     relation_columns: dict[int, list[PgColumn]] = {}
-    with conn.transaction(), conn.cursor(name="cdc_peek") as cursor:
+    # binary: the messages arrive as they are, not hex-encoded by the server and decoded again here
+    with conn.transaction(), conn.cursor(name="cdc_peek", binary=True) as cursor:
         cursor.itersize = 5000
         cursor.execute(
             "select data from pg_logical_slot_peek_binary_changes(%s, %s::pg_lsn, %s, "
@@ -171,17 +201,20 @@ def read_batch(
         )
         for (data,) in cursor:
             rows_read += 1
-            message = decoder.decode(data)
-            if isinstance(message, RowChange):
-                spill = _spill_for(message.relation, tables, spills, spill_dir, relation_columns, conn)
+            if data[0] in ROW_CHANGE_TYPES:  # kept as they are and decoded column-wise when flushed
+                begin = decoder.transaction()
+                spill = _spill_for(decoder.relation_of(data), tables, spills, spill_dir, relation_columns, conn)
                 if spill is None:
                     continue
                 changes += 1
                 spill.changes += 1
-                spill.rows.append(_row(message, spill, next(seq)))
-                if len(spill.rows) >= spill_rows:
+                spill.messages.append(data)
+                spill.positions.append((begin.final_lsn, next(seq)))
+                if spill.pending >= spill_rows:
                     spill.flush()
-            elif isinstance(message, Begin):
+                continue
+            message = decoder.decode(data)
+            if isinstance(message, Begin):
                 current_xid = widen_xid(message.xid, reference_xid)
                 seq = itertools.count()  # order within the transaction: (commit lsn, seq) is unique and stable
             elif isinstance(message, Commit):
@@ -194,7 +227,7 @@ def read_batch(
                         spill.changes += 1
                         position = next(seq)
                         spill.truncations.append((message.begin.final_lsn, position))
-                        spill.rows.append(("t", message.begin.final_lsn, position, False, [], None, None))
+                        spill.truncate_positions.append((message.begin.final_lsn, position))
             elif isinstance(message, Relation):
                 relation_columns.pop(message.relation_id, None)
     for spill in spills.values():
@@ -285,25 +318,3 @@ def _columns_for_relation(relation: Relation, spill: TableSpill, conn: psycopg.C
             )
         columns.append(existing)
     return columns
-
-
-def _row(change: RowChange, spill: TableSpill, seq: int) -> tuple:
-    unchanged: list[str] = []
-    new = change.new
-    if new is not None and UNCHANGED_TOAST in new:
-        values = list(new)
-        for index, value in enumerate(values):
-            if value is UNCHANGED_TOAST:
-                old_value = change.old[index] if change.old is not None and not change.old_is_key_only else None
-                if old_value is not None and old_value is not UNCHANGED_TOAST:
-                    values[index] = old_value
-                else:
-                    values[index] = None
-                    name = spill.columns[index].name
-                    unchanged.append(name)
-                    spill.unchanged_columns.add(name)
-        new = values
-    old = change.old
-    if old is not None and UNCHANGED_TOAST in old:
-        old = [None if v is UNCHANGED_TOAST else v for v in old]
-    return (change.op, change.begin.final_lsn, seq, change.old_is_key_only, unchanged, new, old)
