@@ -14,6 +14,10 @@ reused) it measures, one after the other, after one untimed warm-up scan of the 
 3. ``ours``: ``cdc_assets.lake.pipeline`` in a fresh lake: Spark start-up, prepare, chunk plan, every chunk
    snapshotted (``--chunks-per-call`` chunks per ``snapshot`` call, as a Dagster run of the table asset does), then
    stream batches until every staged chunk is reconciled into the mirror (``waiting_windows == 0``).
+4. ``floor`` (in ours' process, after it): Spark and Delta alone on the same rows, no database: the mirror read
+   (``noop`` write), and the mirror read and written again as a new Delta table made like the mirror. The time of
+   this write is the least any snapshot that lands its rows in such a table through Spark can take here, so
+   ``copy`` seconds / floor seconds is the highest ours/copy ratio reachable on this machine.
 
 dlt and ours run in their own Python process each (clean peak RSS). Reported per tool: wall seconds, rows/s, CPU
 seconds of the client driver (Python or psql), of the Spark JVM and of Spark's Python workers, CPU seconds of the
@@ -172,6 +176,7 @@ def worker_ours(args: argparse.Namespace) -> dict[str, Any]:
     usage = sampler.finish()
     mirror = pipeline.lake.table(table.qualified_name).mirror
     rows = spark.read.format("delta").load(mirror).count()
+    floor = spark_delta_floor(spark, mirror, lake / "floor", list(table.columns))
     spark.stop()
     return {
         "tool": "ours",
@@ -183,8 +188,27 @@ def worker_ours(args: argparse.Namespace) -> dict[str, Any]:
         "snapshot_calls": calls,
         "stream_batches": batches,
         "phases": {k: round(v, 2) for k, v in phases.items()},
+        "floor": floor,
         "series": _series(sampler),
     }
+
+
+def spark_delta_floor(spark: Any, mirror: str, target: Path, columns: list[Any]) -> dict[str, float]:
+    """Step 4 of the module docstring: the mirror's rows read by Spark (``noop`` write), then read and written again
+    by Spark into a new Delta table made like the mirror (``ensure_mirror``: Change Data Feed, deletion vectors,
+    statistics on every column), after our snapshot in the same warm JVM."""
+    from cdc_assets.lake.mirror import ensure_mirror
+
+    rows = spark.read.format("delta").load(mirror)
+    started = time.monotonic()
+    rows.write.format("noop").mode("overwrite").save()
+    read_seconds = time.monotonic() - started
+    started = time.monotonic()
+    ensure_mirror(spark, str(target), columns)
+    rows.write.format("delta").mode("append").save(str(target))
+    write_seconds = time.monotonic() - started
+    remove_dir(target)
+    return {"read_seconds": round(read_seconds, 2), "read_write_seconds": round(write_seconds, 2)}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -297,6 +321,15 @@ def report(runs: list[dict[str, Any]], args: argparse.Namespace) -> None:
         if ours:
             print(f"  {run['rows']:>12,} rows  ours phases (s): {ours['phases']}  chunks: {ours['chunks']}, "
                   f"stream batches: {len(ours['stream_batches'])}")  # fmt: skip
+            floor = ours["floor"]
+            line = (f"  {run['rows']:>12,} rows  floor, Spark + Delta alone (warm JVM): read {floor['read_seconds']} s,"
+                    f" read + write as a new mirror {floor['read_write_seconds']} s "
+                    f"({run['rows'] / floor['read_write_seconds']:,.0f} rows/s)")  # fmt: skip
+            for other, target in (("copy", 0.5), ("dlt", 1.5)):
+                if other in run["results"]:
+                    best = run["results"][other]["seconds"] / floor["read_write_seconds"]
+                    line += f"; highest ours/{other} reachable {best:.2f}x (target {target}x)"
+            print(line)
     plot(runs)
 
 
