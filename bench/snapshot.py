@@ -208,12 +208,15 @@ def spark_delta_floor(spark: Any, mirror: str, target: Path, columns: list[Any])
     started = time.monotonic()
     rows.select(*every_column).first()  # the noop writer refuses deletion-vector tables
     read_seconds = time.monotonic() - started
+    sampler = Sampler(os.getpid(), lifetime_peak=False).start()
     started = time.monotonic()
     ensure_mirror(spark, str(target), columns)
     rows.write.format("delta").mode("append").save(str(target))
     write_seconds = time.monotonic() - started
+    jvm_cpu = sampler.finish()["jvm"].cpu_seconds
     remove_dir(target)
-    return {"read_seconds": round(read_seconds, 2), "read_write_seconds": round(write_seconds, 2)}
+    return {"read_seconds": round(read_seconds, 2), "read_write_seconds": round(write_seconds, 2),
+            "read_write_jvm_cpu": round(jvm_cpu, 1)}  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -329,7 +332,8 @@ def report(runs: list[dict[str, Any]], args: argparse.Namespace) -> None:
             floor = ours["floor"]
             line = (f"  {run['rows']:>12,} rows  floor, Spark + Delta alone (warm JVM): read {floor['read_seconds']} s,"
                     f" read + write as a new mirror {floor['read_write_seconds']} s "
-                    f"({run['rows'] / floor['read_write_seconds']:,.0f} rows/s)")  # fmt: skip
+                    f"({run['rows'] / floor['read_write_seconds']:,.0f} rows/s, JVM CPU "
+                    f"{floor.get('read_write_jvm_cpu')} s)")  # fmt: skip
             for other, target in (("copy", 0.5), ("dlt", 1.5)):
                 if other in run["results"]:
                     best = run["results"][other]["seconds"] / floor["read_write_seconds"]
