@@ -404,6 +404,12 @@ def plot(result: dict[str, Any], limit: float) -> None:
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     rates = [b["changes"] / b["seconds"] if b["seconds"] else 0 for b in batches]
     left.bar(range(1, len(batches) + 1), rates, label="ours, per batch")
+    floor = [b for b in result.get("floor", {}).get("batches", []) if b["changes"]]
+    if floor:
+        floor_batches = [i + 1 for i, b in enumerate(batches) if b["changes"]]
+        floor_rates = [b["changes"] / (b["append_seconds"] + b["merge_seconds"]) for b in floor]
+        left.plot(floor_batches, floor_rates, "k_", markersize=40, mew=2, label="floor: Spark + Delta alone")
+    left.axhline(100_000, color="grey", linestyle=":", label="target 100k changes/s")
     left.axhline(limit, color="red", linestyle="--", label="decode limit (peek count)")
     left.set_xlabel("batch")
     left.set_ylabel("changes/s")
