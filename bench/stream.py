@@ -331,9 +331,9 @@ def delta_floor(
         started = time.monotonic()
         merge_net_changes(mirror, spark.read.parquet(str(work / f"net-{number}")), columns, key_columns,
                           str(work / "mirror"))  # fmt: skip
+        merge_seconds = time.monotonic() - started
         timed_jvm_cpu += sampler.finish()["jvm"].cpu_seconds
-        batches.append({"changes": changes.count(), "append_seconds": append_seconds,
-                        "merge_seconds": time.monotonic() - started})  # fmt: skip
+        batches.append({"changes": changes.count(), "append_seconds": append_seconds, "merge_seconds": merge_seconds})
     sums = [str(v) for v in mirror.toDF().selectExpr(*SUMS).first()]
     shutil.rmtree(work, ignore_errors=True)
     return {
