@@ -28,8 +28,11 @@ from tests.tools.torture_support import ROOT, TIMEOUT, BackgroundRun, harness_lo
 
 @pytest.mark.timeout(2800)
 def test_short_form_with_faults_passes(tmp_path: Path) -> None:
-    result = subprocess.run(torture_command(tmp_path, "--seeds", "901"), cwd=ROOT, capture_output=True, text=True,
-                            timeout=TIMEOUT)  # fmt: skip
+    # its own cluster, not the long form's default (port 54339), so a long-form run beside the suite is no clash
+    command = torture_command(
+        tmp_path, "--seeds", "901", "--pg-port", "54340", "--pg-state", str(ROOT / ".state" / "torture-pg-short")
+    )
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT)
     harness_log(tmp_path)
     output = result.stdout
     assert result.returncode == 0, f"rc={result.returncode}\n{output}\n{result.stderr[-4000:]}"
