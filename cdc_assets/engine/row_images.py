@@ -53,6 +53,7 @@ def decode_row_images(messages: Sequence[bytes], column_count: int) -> RowImages
     lengths = np.fromiter((len(m) for m in messages), np.int64, count)
     starts = np.zeros(count, np.int64)
     np.cumsum(lengths[:-1], out=starts[1:])
+    ends = starts + lengths
     buffer = np.frombuffer(b"".join(messages), np.uint8)
     if count and lengths.min() < 6:
         raise PgOutputError("row change message shorter than its header")
@@ -67,17 +68,17 @@ def decode_row_images(messages: Sequence[bytes], column_count: int) -> RowImages
     has_old = (updates | deletes) & ((markers == _KEY) | (markers == _OLD))
     if (deletes & ~has_old).any():
         raise PgOutputError("delete: expected old tuple marker 'K' or 'O'")
-    old, old_ends = _image(buffer, starts + 6, has_old, column_count, lengths + starts)
+    old, old_ends = _image(buffer, starts + 6, has_old, column_count, ends)
     new_starts = starts + 6
     old_then_new = updates & has_old
     if old_then_new.any():
         after_old = old_ends[old_then_new]
-        if (after_old >= (starts + lengths)[old_then_new]).any() or (buffer[after_old] != _NEW).any():
+        if (after_old >= ends[old_then_new]).any() or (buffer[after_old] != _NEW).any():
             raise PgOutputError("update: expected new tuple marker 'N'")
         new_starts[old_then_new] = after_old + 1
     if (updates & ~has_old & (markers != _NEW)).any():
         raise PgOutputError("update: expected new tuple marker 'N'")
-    new, _ = _image(buffer, new_starts, inserts | updates, column_count, lengths + starts)
+    new, _ = _image(buffer, new_starts, inserts | updates, column_count, ends)
     ops = np.where(inserts, "c", np.where(updates, "u", "d"))
     return RowImages(ops=ops, old_is_key_only=has_old & (markers == _KEY), new=new, old=old)
 
@@ -107,7 +108,7 @@ def _image(
     texts = np.zeros((len(rows), column_count), bool)
     unchanged = np.zeros((len(rows), column_count), bool)
     for column in range(column_count):
-        _check_inside(offsets + 1, limits)
+        _check_inside(offsets + 1, limits)  # also checks where the column before it ended
         kind = buffer[offsets]
         text, null, toast = kind == _TEXT, kind == _NULL, kind == _UNCHANGED
         if not (text | null | toast).all():
@@ -127,7 +128,7 @@ def _image(
         unchanged[:, column] = toast
         offsets = offsets + 1
         offsets[text] += 4 + length
-        _check_inside(offsets, limits)
+    _check_inside(offsets, limits)
     ends[rows] = offsets
     values = _columns(buffer, value_starts, value_lengths, texts)
     scatter = np.full(count, -1, np.int64)
