@@ -5,6 +5,13 @@ Thin glue: the work is done by the source's ``CdcSource`` (``cdc_assets.source``
 materializing partitions snapshots those chunks in one watermark window and stages them; each of the stream
 asset's materializations is one micro-batch, and its metadata holds the offset (DDD-4 field names). A stream run
 keeps its Spark session across batches for ``stream.run_seconds``, so a batch does not pay a driver start.
+
+Names: a table's asset key is ``[source, dagster_part(schema), dagster_part(table)]`` and its partition set
+``<source>__<table_slug>__chunks`` (``cdc_assets.engine.names``: ordinary names unchanged, any other name valid,
+stable and collision-free); the real name is in the description and in the ``postgres_table`` metadata.
+A selected table that cannot be captured (``CdcSource.skipped``) gets an asset of its own without materializations
+(``build_skipped_table``) whose check ``table_is_captured`` fails naming the reason and the fix: the planner sensor
+records that evaluation, and a run of the check evaluates it again.
 """
 
 import time
@@ -23,6 +30,7 @@ from dagster import (
     AssetMaterialization,
     AssetObservation,
     AssetsDefinition,
+    AssetSpec,
     BackfillPolicy,
     DagsterRunStatus,
     DynamicPartitionsDefinition,
@@ -38,9 +46,10 @@ from cdc_assets.config import SourceConfig
 from cdc_assets.engine.chunks import chunk_index, chunk_partition_key
 from cdc_assets.engine.faults import fault_point
 from cdc_assets.engine.lsn import format_lsn, parse_lsn
+from cdc_assets.engine.names import dagster_part, split_qualified, table_slug
 from cdc_assets.lake.layout import UpkeepStep
 from cdc_assets.range_check import RangeCheck, check_range
-from cdc_assets.source import CdcSource, StreamReport
+from cdc_assets.source import CdcSource, SkippedTableLike, StreamReport
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -49,6 +58,7 @@ if TYPE_CHECKING:
 
 CHUNKS_PER_RUN = 4
 CHUNK_CHECK_NAME = "chunk_matches_source"
+CAPTURED_CHECK_NAME = "table_is_captured"
 # a retried step re-reads (snapshot: new attempt, new window) or re-applies idempotently (stream)
 RETRY = RetryPolicy(max_retries=3, delay=5)
 ACTIVE_RUN_STATUSES = [
@@ -57,8 +67,13 @@ ACTIVE_RUN_STATUSES = [
 
 
 def table_asset_key(source: str, qualified_name: str) -> AssetKey:
-    schema, name = qualified_name.split(".", 1)
-    return AssetKey([source, schema, name])
+    schema, name = split_qualified(qualified_name)
+    return AssetKey([source, dagster_part(schema), dagster_part(name)])
+
+
+def table_name_slug(qualified_name: str) -> str:
+    """The table in one Dagster name (partition set, job, schedule names): ``cdc_assets.engine.names.table_slug``."""
+    return table_slug(*split_qualified(qualified_name))
 
 
 def stream_asset_key(source: str) -> AssetKey:
@@ -66,7 +81,7 @@ def stream_asset_key(source: str) -> AssetKey:
 
 
 def chunk_partitions(source: str, qualified_name: str) -> DynamicPartitionsDefinition:
-    return DynamicPartitionsDefinition(name=f"{source}__{qualified_name.replace('.', '__')}__chunks")
+    return DynamicPartitionsDefinition(name=f"{source}__{table_name_slug(qualified_name)}__chunks")
 
 
 def lake_pool(source: str) -> str:
@@ -85,6 +100,7 @@ def build_table_asset(source: SourceConfig, qualified_name: str) -> AssetsDefini
         group_name=source.name,
         kinds={"postgres", "spark", "delta"},
         description=f"Delta mirror of {qualified_name}; one partition per primary-key chunk (snapshot + reconcile).",
+        metadata={"postgres_table": qualified_name},
     )
     def table_chunks(context: AssetExecutionContext) -> MaterializeResult:
         pipeline = context.resources.cdc.pipeline(source.name)
@@ -104,6 +120,7 @@ def build_table_asset(source: SourceConfig, qualified_name: str) -> AssetsDefini
                 "low_watermark": report.low_watermark,
                 "high_watermark": MetadataValue.text(format_lsn(report.hw)),
                 "attempt": report.attempt,
+                "postgres_table": qualified_name,
                 "mirror": MetadataValue.path(paths.mirror),
             }
         )
@@ -211,6 +228,56 @@ def range_check_result(result: RangeCheck, per_window: int) -> AssetCheckResult:
     )
 
 
+def build_skipped_table(
+    source: SourceConfig, skipped: SkippedTableLike
+) -> tuple[AssetsDefinition, AssetChecksDefinition]:
+    """An asset for a selected table that is not captured (never materialized), with a check that fails naming the
+    reason and the fix. Running the check asks the source again; the planner sensor records its evaluation."""
+    key = table_asset_key(source.name, skipped.qualified_name)
+    spec = AssetSpec(
+        key=key,
+        group_name=source.name,
+        kinds={"postgres"},
+        description=f"NOT CAPTURED: {skipped.message}",
+        metadata={"postgres_table": skipped.qualified_name, "reason": skipped.reason, "fix": skipped.fix},
+    )
+    qualified_name = skipped.qualified_name
+
+    @asset_check(
+        asset=key,
+        name=CAPTURED_CHECK_NAME,
+        required_resource_keys={"cdc"},
+        blocking=False,
+        description=f"Whether {qualified_name} is captured; fails with the reason and the fix while it is not.",
+    )
+    def table_is_captured(context: AssetCheckExecutionContext) -> AssetCheckResult:
+        pipeline = context.resources.cdc.pipeline(source.name)
+        pipeline.prepare()
+        current = {t.qualified_name: t for t in pipeline.skipped()}
+        if qualified_name in current:
+            return AssetCheckResult(**skipped_table_evaluation(current[qualified_name]))
+        return AssetCheckResult(
+            passed=qualified_name in pipeline.tables,
+            description=(
+                f"{qualified_name} can be captured now: reload the code location to add its asset"
+                if qualified_name in pipeline.tables
+                else f"{qualified_name} is no longer selected by source {source.name!r}"
+            ),
+            metadata={"postgres_table": qualified_name},
+        )
+
+    return AssetsDefinition(specs=[spec]), table_is_captured
+
+
+def skipped_table_evaluation(skipped: SkippedTableLike) -> dict[str, Any]:
+    """The failing evaluation of ``table_is_captured``: the table, the reason and the fix."""
+    return {
+        "passed": False,
+        "description": skipped.message,
+        "metadata": {"postgres_table": skipped.qualified_name, "reason": skipped.reason, "fix": skipped.fix},
+    }
+
+
 def build_stream_asset(source: SourceConfig, table_names: list[str]) -> AssetsDefinition:
     @asset(
         key=stream_asset_key(source.name),
@@ -310,6 +377,8 @@ def batch_metadata(report: StreamReport) -> dict[str, object]:
         "reconciled_chunks": len(report.reconciled),
         "waiting_chunks": report.waiting_windows,
         "per_table": MetadataValue.json(report.per_table),
+        # selected tables that are not captured: their changes are not applied (name -> reason and fix)
+        "skipped_tables": MetadataValue.json(report.skipped_tables),
         **{f"seconds_{phase}": seconds for phase, seconds in report.phase_seconds.items()},
     }
 

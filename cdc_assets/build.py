@@ -3,6 +3,12 @@
 Captured tables are resolved at load time (explicit list + include patterns, from the source's catalog); when the
 source cannot be reached at load time, the explicitly listed tables are used and a warning is logged. Reload the
 code location to pick up a table that newly matches a pattern.
+
+Contract: one table never takes the others down. A selected table that cannot be captured (``CdcSource.skipped``:
+no key, no ``SELECT``, a partition, ...) is logged as a warning naming it, its reason and its fix, and gets an
+asset of its own whose ``table_is_captured`` check fails with them (``cdc_assets.assets.build_skipped_table``);
+every other table keeps its assets, checks, jobs and schedules, and the planner sensor reports the skipped tables
+on every evaluation. Any table name gets valid Dagster names (``cdc_assets.engine.names``).
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from dagster import Definitions, define_asset_job
 
 from cdc_assets.assets import (
     build_consistency_check,
+    build_skipped_table,
     build_stream_asset,
     build_table_asset,
     stream_asset_key,
@@ -23,7 +30,7 @@ from cdc_assets.assets import (
 from cdc_assets.config import CdcConfig, SourceConfig, load_config
 from cdc_assets.offsets import build_change_offset_job
 from cdc_assets.postgres.connection import SourceError
-from cdc_assets.source import open_source
+from cdc_assets.source import SkippedTableLike, open_source
 from resources.cdc import CdcResource
 from sensors.consistency import build_chunk_check_job, build_consistency_sweep
 from sensors.planner import build_planner_sensor
@@ -33,18 +40,32 @@ log = logging.getLogger(__name__)
 
 
 def captured_table_names(config: CdcConfig, source: SourceConfig) -> list[str]:
+    return selected_tables(config, source)[0]
+
+
+def selected_tables(config: CdcConfig, source: SourceConfig) -> tuple[list[str], list[SkippedTableLike]]:
+    """The names of the captured tables, and the selected tables that cannot be captured (each logged)."""
     try:
-        return sorted(open_source(config, source).prepare())
+        pipeline = open_source(config, source)
+        names = sorted(pipeline.prepare())
     except SourceError as error:
         log.warning("%s; using the explicitly configured tables only", error)
-        return [t.qualified_name for t in source.tables]
+        return [t.qualified_name for t in source.tables], []
+    skipped = list(pipeline.skipped())
+    for table in skipped:
+        log.warning("source %r: %s (every other table is captured)", source.name, table.message)
+    return names, skipped
 
 
 def build_definitions(config_path: str | os.PathLike[str]) -> Definitions:
     config = load_config(config_path)
     assets, checks, jobs, sensors, schedules = [], [], [], [], []
     for source in config.sources:
-        names = captured_table_names(config, source)
+        names, skipped = selected_tables(config, source)
+        for table in skipped:
+            spec, check = build_skipped_table(source, table)
+            assets.append(spec)
+            checks.append(check)
         assets += [build_table_asset(source, name) for name in names]
         checks += [build_consistency_check(source, name) for name in names]
         check_jobs = {name: build_chunk_check_job(source.name, name) for name in names}
@@ -53,7 +74,7 @@ def build_definitions(config_path: str | os.PathLike[str]) -> Definitions:
         stream_job = define_asset_job(stream_job_name(source.name), selection=[stream_asset_key(source.name)])
         jobs += [stream_job, build_change_offset_job(source.name)]
         sensors.append(build_stream_sensor(source.name, stream_job.name, source.stream.interval_seconds))
-        if names:
+        if names or skipped:
             sensors.append(build_planner_sensor(source.name, names))
         if source.checks.cron is not None:
             schedules += [

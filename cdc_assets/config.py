@@ -18,6 +18,8 @@ from typing import Any
 
 import yaml
 
+from cdc_assets.engine.names import qualify, split_qualified
+
 STARTUP_MODES = ("initial", "latest", "snapshot", "timestamp")
 SOURCE_KINDS = ("postgres",)
 _ENV_REFERENCE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
@@ -49,7 +51,7 @@ class TableConfig:
 
     @property
     def qualified_name(self) -> str:
-        return f"{self.schema}.{self.name}"
+        return qualify(self.schema, self.name)
 
 
 @dataclass(frozen=True)
@@ -305,12 +307,24 @@ def _table(raw: Any, where: str) -> TableConfig:
 
 
 def split_table_name(text: str, where: str) -> tuple[str, str]:
-    parts = text.split(".")
-    if len(parts) == 1:
-        return "public", parts[0]
-    if len(parts) == 2 and all(parts):
-        return parts[0], parts[1]
-    raise ConfigError(f"{where}: {text!r} is not a table name; expected 'schema.table' or 'table'")
+    """``schema.table`` or ``table`` (schema ``public``); a part holding ``.`` or ``"`` is double-quoted with ``"``
+    doubled, as PostgreSQL writes it (``'"my.schema"."Order Items"'``); other parts are taken as they are (case
+    and spaces kept: ``public.Order Items``)."""
+    if '"' not in text and "." not in text and text:
+        return "public", text
+    try:
+        return split_qualified(text)
+    except ValueError:
+        pass
+    if text.startswith('"'):  # a quoted table name alone
+        try:
+            return split_qualified(f"public.{text}")
+        except ValueError:
+            pass
+    raise ConfigError(
+        f"{where}: {text!r} is not a table name; expected 'schema.table' or 'table' (double-quote a part holding "
+        "'.' or '\"', doubling its '\"')"
+    )
 
 
 def _mapping(raw: Any, where: str, allowed: set[str] | None, required: set[str] = frozenset()) -> dict:

@@ -6,7 +6,8 @@ engine (chunks, watermark windows, reconciliation, offsets) and the lake code ar
 
 - ``prepare()`` checks the source's permissions, resolves the captured tables, and makes sure the change-capture
   resources exist before any snapshot window opens (PostgreSQL: publication and replication slot). ``tables`` is
-  ``prepare()``'s result, resolved once per object.
+  ``prepare()``'s result, resolved once per object. A selected table that cannot be captured never fails it: it is
+  left out and listed by ``skipped()`` with its reason and fix (and in every ``StreamReport.skipped_tables``).
 - ``plan(table)`` is the table's chunk plan: planned and stored on first use, immutable afterwards.
 - ``snapshot(spark, table, chunk_indexes, run_id)`` reads the chunks inside one watermark window and stages them;
   the stream reconciles them once it has passed the window (DESIGN.md).
@@ -22,6 +23,9 @@ engine (chunks, watermark windows, reconciliation, offsets) and the lake code ar
   values in rows written before can differ from NULL although no change carried them (PostgreSQL: a column added
   with a ``DEFAULT``, or generated: the catalog says ``atthasmissing`` or ``atthasdef``). Those rows' chunks must be
   read again; the planner sensor requests it.
+- ``partitions(table)`` names the table's partitions now (PostgreSQL: leaf partitions of a partitioned table; none
+  otherwise). Attaching or detaching one changes the table's rows without a change in the log: the planner sensor
+  then requests a snapshot of every chunk.
 - ``check_chunks(spark, table, indexes, wait_seconds)`` compares row count and checksum of chunks, computed at the
   source and over the mirror, at a consistent point (``cdc_assets.lake.consistency``).
 
@@ -55,6 +59,19 @@ class CapturedTableLike(Protocol):
     def key_columns(self) -> tuple[str, ...]: ...
 
 
+class SkippedTableLike(Protocol):
+    """A selected table or collection that is not captured, and why."""
+
+    @property
+    def qualified_name(self) -> str: ...
+
+    reason: str
+    fix: str
+
+    @property
+    def message(self) -> str: ...
+
+
 TableT = TypeVar("TableT", bound=CapturedTableLike)
 
 
@@ -86,6 +103,8 @@ class StreamReport:
     waiting_windows: int = 0
     per_table: dict[str, dict[str, int]] = field(default_factory=dict)
     phase_seconds: dict[str, float] = field(default_factory=dict)
+    # selected tables that are not captured (their changes are not applied): name -> reason and fix
+    skipped_tables: dict[str, str] = field(default_factory=dict)
 
 
 class CdcSource(Protocol[TableT]):
@@ -96,6 +115,8 @@ class CdcSource(Protocol[TableT]):
     def tables(self) -> Mapping[str, TableT]: ...
 
     def prepare(self) -> Mapping[str, TableT]: ...
+
+    def skipped(self) -> Sequence[SkippedTableLike]: ...
 
     def plan(self, table: TableT) -> ChunkPlan: ...
 
@@ -108,6 +129,8 @@ class CdcSource(Protocol[TableT]):
     def pending_work(self) -> str | None: ...
 
     def column_names(self, table: TableT) -> list[str]: ...
+
+    def partitions(self, table: TableT) -> list[str]: ...
 
     def filled_without_changes(self, table: TableT, names: Sequence[str]) -> list[str]: ...
 

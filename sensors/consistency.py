@@ -1,6 +1,7 @@
 """The consistency sweep of a source: every chunk of every captured table checked on a cron schedule.
 
-One schedule per captured table (``<source>__<schema>__<table>__consistency_sweep``). Each tick requests one run of
+One schedule per captured table (``<source>__<schema>__<table>__consistency_sweep``; a name that is not a valid
+Dagster name is mapped by ``cdc_assets.engine.names.table_slug``). Each tick requests one run of
 the table's chunk check job (``check_job_name``) over the partition range from the first chunk to the last: the
 check compares every chunk, ``checks.chunks_per_window`` chunks per watermark window, in one run and one Spark
 driver, and records an evaluation per chunk partition and one for the range naming the chunks that differ
@@ -26,7 +27,7 @@ from dagster import (
     schedule,
 )
 
-from cdc_assets.assets import CHUNK_CHECK_NAME, chunk_partitions, table_asset_key
+from cdc_assets.assets import CHUNK_CHECK_NAME, chunk_partitions, table_asset_key, table_name_slug
 from cdc_assets.config import ConfigError
 
 if TYPE_CHECKING:
@@ -41,11 +42,11 @@ SWEEP_TAGS = {"cdc/reason": "consistency sweep", "dagster/priority": "-1"}
 
 
 def check_job_name(source_name: str, qualified_name: str) -> str:
-    return f"{source_name}__{qualified_name.replace('.', '__')}__chunk_checks"
+    return f"{source_name}__{table_name_slug(qualified_name)}__chunk_checks"
 
 
 def sweep_name(source_name: str, qualified_name: str) -> str:
-    return f"{source_name}__{qualified_name.replace('.', '__')}__consistency_sweep"
+    return f"{source_name}__{table_name_slug(qualified_name)}__consistency_sweep"
 
 
 def build_chunk_check_job(source_name: str, qualified_name: str) -> "UnresolvedAssetJobDefinition":

@@ -10,12 +10,21 @@ which the initial snapshot covers). When a table gains columns whose older rows 
 a snapshot of every chunk of the table, as above, in ``initial`` or ``snapshot`` mode (``latest`` reads no
 table at all); reconciliation then writes those values into the mirror (a row changed since the read gets its change
 from the stream). The cursor makes each addition requested once.
+
+Partitioned tables: the cursor also holds each captured table's partitions (``CdcSource.partitions``); when a
+partition is attached, detached or dropped, rows entered or left the root without a change in the WAL, so every
+chunk of the table is read again (``cdc_assets.engine.partitions``), in ``initial`` or ``snapshot`` mode.
+
+Skipped tables: every evaluation logs a warning per selected table that cannot be captured (``CdcSource.skipped``),
+names them in its skip reason, and records a failing ``table_is_captured`` check evaluation of the table's asset
+(reason and fix) when it first sees it or its reason changed. Nothing else stops for them.
 """
 
 import json
 import time
 
 from dagster import (
+    AssetCheckEvaluation,
     AssetSelection,
     DefaultSensorStatus,
     RunRequest,
@@ -26,12 +35,22 @@ from dagster import (
     sensor,
 )
 
-from cdc_assets.assets import CHUNKS_PER_RUN, chunk_partitions, table_asset_key
+from cdc_assets.assets import (
+    CAPTURED_CHECK_NAME,
+    CHUNKS_PER_RUN,
+    chunk_partitions,
+    skipped_table_evaluation,
+    table_asset_key,
+)
 from cdc_assets.engine.chunks import chunk_partition_key
+from cdc_assets.engine.partitions import repartition_reason
 from resources.cdc import CdcResource
 
 RANGE_START = "dagster/asset_partition_range_start"
 RANGE_END = "dagster/asset_partition_range_end"
+# cursor keys that are no table name (a qualified name always holds a '.')
+SKIPPED_KEY = "~skipped"
+PARTITIONS_KEY = "~partitions"
 
 
 def build_planner_sensor(source_name: str, table_names: list[str]) -> SensorDefinition:
@@ -49,8 +68,23 @@ def build_planner_sensor(source_name: str, table_names: list[str]) -> SensorDefi
         tables = pipeline.prepare()  # checks role, publication and slot before any snapshot window opens
         requests: list[RunRequest] = []
         partition_requests = []
-        seen: dict[str, list[str]] = json.loads(context.cursor) if context.cursor else {}
+        seen: dict = json.loads(context.cursor) if context.cursor else {}
         reads_tables = source.startup_mode in ("initial", "snapshot")
+        skipped = list(pipeline.skipped())
+        reported: dict[str, str] = seen.get(SKIPPED_KEY, {})
+        events = []
+        for table in skipped:
+            context.log.warning(f"source {source_name}: {table.message}")
+            if reported.get(table.qualified_name) != table.message:
+                events.append(
+                    AssetCheckEvaluation(
+                        asset_key=table_asset_key(source_name, table.qualified_name),
+                        check_name=CAPTURED_CHECK_NAME,
+                        **skipped_table_evaluation(table),
+                    )
+                )
+        seen[SKIPPED_KEY] = {t.qualified_name: t.message for t in skipped}
+        known_partitions: dict[str, list[str]] = seen.get(PARTITIONS_KEY, {})
         for name in table_names:
             table = tables.get(name)
             if table is None:
@@ -60,6 +94,15 @@ def build_planner_sensor(source_name: str, table_names: list[str]) -> SensorDefi
             columns = pipeline.column_names(table)
             added = [c for c in columns if c not in seen.get(name, columns)]
             seen[name] = columns
+            partitions_now = pipeline.partitions(table)
+            repartitioned = repartition_reason(known_partitions.get(name), partitions_now) if reads_tables else None
+            known_partitions[name] = partitions_now
+            if repartitioned:
+                context.log.info(f"{name}: {repartitioned}")
+                indexes = [c.index for c in plan.chunks]
+                requests += _snapshot_requests(
+                    source_name, name, indexes, f"repartition@{int(time.time())}", repartitioned
+                )
             filled = pipeline.filled_without_changes(table, added) if reads_tables else []
             if filled:
                 reason = (
@@ -80,10 +123,19 @@ def build_planner_sensor(source_name: str, table_names: list[str]) -> SensorDefi
             if reads_tables:
                 indexes = sorted(c.index for c in plan.chunks if c.partition_key in new_keys)
                 requests += _snapshot_requests(source_name, name, indexes, "initial", "initial snapshot")
+        seen[PARTITIONS_KEY] = known_partitions
         cursor = json.dumps(seen, sort_keys=True)
+        not_captured = ""
+        if skipped:
+            not_captured = f"; {len(skipped)} table(s) NOT captured: " + "; ".join(t.message for t in skipped)
         if not partition_requests and not requests:
-            return SensorResult(skip_reason=SkipReason("every captured table is planned"), cursor=cursor)
-        return SensorResult(run_requests=requests, dynamic_partitions_requests=partition_requests, cursor=cursor)
+            return SensorResult(
+                skip_reason=SkipReason(f"every captured table is planned{not_captured}"), cursor=cursor,
+                asset_events=events,
+            )  # fmt: skip
+        return SensorResult(
+            run_requests=requests, dynamic_partitions_requests=partition_requests, cursor=cursor, asset_events=events
+        )
 
     return planner
 

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Final
 
+from cdc_assets.engine.names import qualify
+
 UNCHANGED_TOAST: Final = type("UnchangedToast", (), {"__repr__": lambda self: "UNCHANGED_TOAST"})()
 """Marker for an unchanged TOAST value: keep the value the mirror already has."""
 
@@ -63,7 +65,7 @@ class Relation:
 
     @property
     def qualified_name(self) -> str:
-        return f"{self.schema}.{self.name}"
+        return qualify(self.schema, self.name)
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,12 +1,16 @@
 """Where a source's tables and control data live in the lake.
 
 Contract (``<lake_root>/<source>/``):
+- Names: ``<schema>.<table>`` below is ``cdc_assets.engine.names.lake_folder`` (the real names when they are valid
+  Dagster name parts, else a stable hashed form: one path segment of ``[A-Za-z0-9_]`` whatever the table is
+  called), and ``<qualified>`` in file names is ``file_token`` of the qualified name (percent-encoded, reversible;
+  ordinary names unchanged).
 - ``<schema>.<table>/mirror``, ``/changelog``: the Delta tables of one captured table; ``/staged``: its staged
   chunk rows, plain Parquet files per attempt (``cdc_assets.lake.staging``). A ``/staging`` folder next to them
   is a Delta staging table of an earlier version: nothing reads it, and it can be removed.
-- ``_cdc/plans/<schema>.<table>.json``: the table's chunk plan, written once (first writer wins) and never changed.
+- ``_cdc/plans/<qualified>.json``: the table's chunk plan, written once (first writer wins) and never changed.
 - ``_cdc/windows``: the Delta log of chunk window events (see ``cdc_assets.lake.windows``).
-- ``_cdc/waiting/<schema>.<table>@<chunk>.hw``: one small file per staged, not yet reconciled chunk holding its
+- ``_cdc/waiting/<qualified>@<chunk>.hw``: one small file per staged, not yet reconciled chunk holding its
   high watermark, so the streaming sensor can see that a window may close without starting Spark. Markers are
   hints: the window log is the truth, and the stream batch rewrites the markers from it.
 - ``_cdc/waiting-checks/<token>.hw``: the high watermark of a consistency check waiting for the stream (written
@@ -29,6 +33,7 @@ from pathlib import Path
 from typing import Literal
 
 from cdc_assets.engine.chunks import ChunkPlan
+from cdc_assets.engine.names import file_token, from_file_token, lake_folder, split_qualified
 
 UpkeepStep = Literal["compact", "vacuum"]
 CHECK_MARKER_SECONDS = 600  # longer than any check waits for the stream
@@ -47,7 +52,7 @@ class SourceLake:
         self.control = self.root / "_cdc"
 
     def table(self, qualified_name: str) -> TablePaths:
-        base = self.root / qualified_name
+        base = self.root / lake_folder(*split_qualified(qualified_name))
         return TablePaths(str(base / "mirror"), str(base / "changelog"), str(base / "staged"))
 
     @property
@@ -78,7 +83,7 @@ class SourceLake:
 
     # -- chunk plans ---------------------------------------------------------------------------------------
     def plan_path(self, qualified_name: str) -> Path:
-        return self.control / "plans" / f"{qualified_name}.json"
+        return self.control / "plans" / f"{file_token(qualified_name)}.json"
 
     def read_plan(self, qualified_name: str) -> ChunkPlan | None:
         path = self.plan_path(qualified_name)
@@ -103,7 +108,7 @@ class SourceLake:
 
     # -- waiting markers -----------------------------------------------------------------------------------
     def _marker(self, qualified_name: str, chunk: int) -> Path:
-        return self.control / "waiting" / f"{qualified_name}@{chunk:06d}.hw"
+        return self.control / "waiting" / f"{file_token(qualified_name)}@{chunk:06d}.hw"
 
     def mark_waiting(self, qualified_name: str, chunk: int, high_watermark: int) -> None:
         _write_marker(self._marker(qualified_name, chunk), high_watermark)
@@ -117,9 +122,9 @@ class SourceLake:
         if not folder.exists():
             return markers
         for path in folder.glob("*.hw"):
-            name, _, chunk = path.stem.rpartition("@")
+            token, _, chunk = path.stem.rpartition("@")
             try:
-                markers[(name, int(chunk))] = int(path.read_text())
+                markers[(from_file_token(token), int(chunk))] = int(path.read_text())
             except (ValueError, FileNotFoundError):
                 continue
         return markers
@@ -154,9 +159,9 @@ class SourceLake:
         if not folder.exists():
             return
         for path in folder.glob("*.hw"):
-            name, _, chunk = path.stem.rpartition("@")
+            token, _, chunk = path.stem.rpartition("@")
             try:
-                if (name, int(chunk)) not in open_chunks and path.stat().st_mtime < older_than:
+                if (from_file_token(token), int(chunk)) not in open_chunks and path.stat().st_mtime < older_than:
                     path.unlink(missing_ok=True)
             except (ValueError, FileNotFoundError):
                 continue

@@ -106,6 +106,7 @@ class PostgresPipeline:
         self.config = config
         self.source = source
         self.lake = SourceLake(config.lake_root, source.name)
+        self.skipped_tables: list[catalog.SkippedTable] = []
 
     def connect(self) -> psycopg.Connection:
         return connect(self.source.connection, self.source.name)
@@ -114,12 +115,19 @@ class PostgresPipeline:
     def prepare(self) -> dict[str, CapturedTable]:
         with self.connect() as conn:
             catalog.check_replication_role(conn, self.source)
-            tables = catalog.discover_tables(conn, self.source)
+            discovery = catalog.discover(conn, self.source)
+            tables = discovery.tables
             if tables:
                 catalog.ensure_publication(conn, self.source, tables)
             catalog.ensure_slot(conn, self.source)
+        self.skipped_tables = discovery.skipped
         self.__dict__["tables"] = {t.qualified_name: t for t in tables}
         return self.__dict__["tables"]
+
+    def skipped(self) -> list[catalog.SkippedTable]:
+        """The selected tables that are not captured, each with its reason and fix (``prepare()``'s)."""
+        self.tables  # noqa: B018 - prepares once
+        return list(self.skipped_tables)
 
     @cached_property
     def tables(self) -> dict[str, CapturedTable]:
@@ -281,6 +289,7 @@ class PostgresPipeline:
             waiting_windows=waiting,
             per_table=per_table,
             phase_seconds={k: round(v, 3) for k, v in phases.items()},
+            skipped_tables={t.qualified_name: f"{t.reason}; fix: {t.fix}" for t in self.skipped_tables},
         )
 
     def _fill_unknown(
@@ -339,6 +348,11 @@ class PostgresPipeline:
                 self.lake.mark_waiting(window.table, window.chunk, window.hw)
         self.lake.clear_stale_markers({(w.table, w.chunk) for w in still_open}, older_than=log_read_at)
         return done, len(still_open)
+
+    def partitions(self, table: CapturedTable) -> list[str]:
+        """The table's leaf partitions now (none for an ordinary table)."""
+        with self.connect() as conn:
+            return catalog.partitions_of(conn, table)
 
     # -- added columns ---------------------------------------------------------------------------------------
     def column_names(self, table: CapturedTable) -> list[str]:

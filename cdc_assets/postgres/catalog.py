@@ -1,10 +1,16 @@
 """What the source database says about captured tables, the slot and the publication.
 
 Contract:
-- ``discover_tables`` resolves the configured table list and include/exclude patterns to ``CapturedTable``s
-  (columns from the catalog, key = primary key or configured surrogate key). A table without a primary key and
-  without a configured surrogate key, an unknown table, or an unknown surrogate-key column raises ``SourceError``
-  naming the table.
+- ``discover`` resolves the configured table list and include/exclude patterns to ``CapturedTable``s (columns from
+  the catalog, key = primary key or configured surrogate key) and ``SkippedTable``s: **one table that cannot be
+  captured never stops the others**. A table without a primary key and without a configured surrogate key, an
+  unknown surrogate-key column, a listed table that does not exist, a table the role may not ``SELECT``, a leaf
+  partition (captured through its root), or a table whose columns the codec refuses is skipped, each with its
+  reason and the fix; ``discover_tables`` is ``discover(...).tables``. Partitioned tables are captured as their root
+  (``relkind 'p'``): a read of the root covers every partition, and the stream maps a partition's changes to the
+  root (``cdc_assets.postgres.stream``). ``partitions_of`` lists a root's leaf partitions now.
+- Qualified names are ``cdc_assets.engine.names.qualify(schema, name)``; every statement quotes identifiers with
+  ``sql.Identifier``.
 - ``with_current_columns`` returns a captured table with the columns the catalog lists at the moment of the call
   (the key and settings unchanged). A chunk read calls it after its low watermark: every column added by an
   ``ALTER`` committed before the watermark is then read, whatever the run described when it started.
@@ -28,6 +34,7 @@ import psycopg
 from psycopg import errors, sql
 
 from cdc_assets.config import SourceConfig, TableConfig
+from cdc_assets.engine.names import qualify
 from cdc_assets.engine.pg_values import PgColumn, columns_from_catalog
 from cdc_assets.postgres.connection import SourceError
 
@@ -47,7 +54,7 @@ class CapturedTable:
 
     @property
     def qualified_name(self) -> str:
-        return f"{self.schema}.{self.name}"
+        return qualify(self.schema, self.name)
 
     @property
     def identifier(self) -> sql.Identifier:
@@ -58,42 +65,123 @@ class CapturedTable:
         by_name = {c.name: c for c in self.columns}
         return tuple(by_name[name] for name in self.key_columns)
 
+
+@dataclass(frozen=True)
+class SkippedTable:
+    """A table the configuration selects but that cannot be captured: why, and what fixes it."""
+
+    source: str
+    schema: str
+    name: str
+    reason: str
+    fix: str
+
     @property
-    def asset_name(self) -> str:
-        return f"{self.source}__{self.schema}__{self.name}".lower()
+    def qualified_name(self) -> str:
+        return qualify(self.schema, self.name)
+
+    @property
+    def message(self) -> str:
+        return f"table {self.qualified_name} is not captured: {self.reason}; fix: {self.fix}"
+
+
+@dataclass(frozen=True)
+class Discovery:
+    tables: list[CapturedTable]
+    skipped: list[SkippedTable]
 
 
 def discover_tables(conn: psycopg.Connection, source: SourceConfig) -> list[CapturedTable]:
+    return discover(conn, source).tables
+
+
+def discover(conn: psycopg.Connection, source: SourceConfig) -> Discovery:
     rows = conn.execute(
         """
-        select n.nspname, c.relname
+        select n.nspname, c.relname, c.relispartition, has_table_privilege(c.oid, 'SELECT'), rn.nspname, r.relname
         from pg_class c join pg_namespace n on n.oid = c.relnamespace
-        where c.relkind in ('r', 'p') and not c.relispartition
+        left join pg_class r on c.relispartition and r.oid = pg_partition_root(c.oid)
+        left join pg_namespace rn on rn.oid = r.relnamespace
+        where c.relkind in ('r', 'p')
           and n.nspname not in ('pg_catalog', 'information_schema') and n.nspname not like 'pg\\_%%'
         order by 1, 2
         """
     ).fetchall()
-    existing = {f"{schema}.{name}" for schema, name in rows}
+    user = source.connection.user
+    existing = {qualify(row[0], row[1]): (row[0], row[1]) for row in rows if not row[2]}
+    leaves = {qualify(row[0], row[1]): qualify(row[4], row[5]) for row in rows if row[2]}
+    readable = {qualify(row[0], row[1]) for row in rows if row[3]}
     chosen: dict[str, TableConfig] = {}
+    skipped: dict[str, SkippedTable] = {}
     for table in source.tables:
-        if table.qualified_name not in existing:
-            raise SourceError(
-                f"source {source.name!r}: table {table.qualified_name} does not exist "
-                f"(or the role {source.connection.user!r} cannot see it)"
-            )
-        chosen[table.qualified_name] = table
+        name = table.qualified_name
+        if name in leaves:
+            skipped[name] = SkippedTable(
+                source.name, table.schema, table.name, f"it is a partition of {leaves[name]}",
+                f"capture its root table {leaves[name]} instead (a partitioned table is captured as its root, "
+                "with the changes of every partition)",
+            )  # fmt: skip
+        elif name not in existing:
+            skipped[name] = SkippedTable(
+                source.name, table.schema, table.name, f"it does not exist (or the role {user!r} cannot see it)",
+                "create it, grant the role USAGE on its schema, or remove it from 'tables'",
+            )  # fmt: skip
+        else:
+            chosen[name] = table
     for pattern in source.include:
         qualified_pattern = pattern if "." in pattern else f"public.{pattern}"
-        for name in sorted(existing):
+        for name, (schema, relname) in sorted(existing.items()):
             if fnmatch.fnmatchcase(name, qualified_pattern) and name not in chosen:
-                schema, relname = name.split(".", 1)
                 chosen[name] = TableConfig(schema=schema, name=relname)
     for pattern in source.exclude:
         qualified_pattern = pattern if "." in pattern else f"public.{pattern}"
         for name in list(chosen):
             if fnmatch.fnmatchcase(name, qualified_pattern):
                 del chosen[name]
-    return [describe_table(conn, source, table) for table in chosen.values()]
+    tables: list[CapturedTable] = []
+    for name, table in chosen.items():
+        if name not in readable:
+            grant = sql.SQL("GRANT SELECT ON {} TO {}").format(
+                sql.Identifier(table.schema, table.name), sql.Identifier(user)
+            )
+            skipped[name] = SkippedTable(
+                source.name, table.schema, table.name, f"the role {user!r} may not SELECT from it",
+                f"an administrator can run: {grant.as_string(conn)}; or exclude it",
+            )  # fmt: skip
+            continue
+        try:
+            tables.append(describe_table(conn, source, table))
+        except CannotCapture as error:
+            skipped[name] = SkippedTable(source.name, table.schema, table.name, error.reason, error.fix)
+        except (LookupError, ValueError) as error:
+            skipped[name] = SkippedTable(
+                source.name, table.schema, table.name, f"its columns cannot be read: {error}",
+                "change or exclude the column (or the table)",
+            )  # fmt: skip
+    return Discovery(tables, [skipped[name] for name in sorted(skipped)])
+
+
+class CannotCapture(SourceError):
+    """A table that cannot be captured as configured: ``reason`` and ``fix`` (``discover`` skips it)."""
+
+    def __init__(self, source: str, qualified_name: str, reason: str, fix: str) -> None:
+        super().__init__(f"source {source!r}: table {qualified_name} {reason}; {fix}")
+        self.reason = reason
+        self.fix = fix
+
+
+def partitions_of(conn: psycopg.Connection, table: CapturedTable) -> list[str]:
+    """The qualified names of ``table``'s leaf partitions now (empty for an ordinary table)."""
+    rows = conn.execute(
+        """
+        select n.nspname, c.relname from pg_partition_tree(%s::regclass) t
+        join pg_class c on c.oid = t.relid join pg_namespace n on n.oid = c.relnamespace
+        where t.isleaf and t.relid <> %s::regclass
+        order by 1, 2
+        """,
+        [table.identifier.as_string(conn)] * 2,
+    ).fetchall()
+    return [qualify(schema, name) for schema, name in rows]
 
 
 def with_current_columns(conn: psycopg.Connection, table: CapturedTable) -> CapturedTable:
@@ -149,18 +237,19 @@ def describe_table(conn: psycopg.Connection, source: SourceConfig, table: TableC
     if table.surrogate_key:
         unknown = [c for c in table.surrogate_key if c not in names]
         if unknown:
-            raise SourceError(
-                f"source {source.name!r}: table {table.qualified_name}: surrogate_key column {unknown[0]!r} "
-                f"does not exist; columns: {', '.join(sorted(names))}"
-            )
+            raise CannotCapture(
+                source.name, table.qualified_name, f"has no column {unknown[0]!r} of its surrogate_key",
+                f"name existing columns in its surrogate_key; columns: {', '.join(sorted(names))}",
+            )  # fmt: skip
         key = tuple(table.surrogate_key)
     elif primary:
         key = tuple(primary)
     else:
-        raise SourceError(
-            f"source {source.name!r}: table {table.qualified_name} has no primary key; configure a "
-            "surrogate_key (columns that identify a row uniquely) for it under 'tables', or exclude it"
-        )
+        raise CannotCapture(
+            source.name, table.qualified_name, "has no primary key",
+            "configure a surrogate_key (columns that identify a row uniquely) for it under 'tables', add a primary "
+            "key, or exclude it",
+        )  # fmt: skip
     collations = conn.execute(
         """
         select a.attname, coalesce(nullif(co.collname, 'default'), d.datcollate)
@@ -205,10 +294,22 @@ def ensure_publication(conn: psycopg.Connection, source: SourceConfig, tables: l
         return _administrative(conn, source, statement, f"publication {source.publication!r} does not exist")
     if row[0]:
         return "existing"
+    # a partitioned table's partitions are listed instead of it unless publish_via_partition_root is set: count
+    # each listed table's partition root as published too
     published = {
-        f"{schema}.{name}"
+        qualify(schema, name)
         for schema, name in conn.execute(
-            "select schemaname, tablename from pg_publication_tables where pubname = %s", [source.publication]
+            """
+            select rn.nspname, r.relname
+            from pg_publication_tables p
+            join pg_namespace n on n.nspname = p.schemaname
+            join pg_class c on c.relnamespace = n.oid and c.relname = p.tablename
+            join pg_class r on r.oid = coalesce(pg_partition_root(c.oid), c.oid)
+            join pg_namespace rn on rn.oid = r.relnamespace
+            where p.pubname = %s
+            union select schemaname, tablename from pg_publication_tables where pubname = %s
+            """,
+            [source.publication, source.publication],
         ).fetchall()
     }
     missing = [t for t in tables if t.qualified_name in wanted - published]

@@ -13,6 +13,12 @@ Contract:
   ``_cdc_position``), 64-bit xid and commit time.
 - ``applied_lsn`` of the result: every transaction whose commit record ends at or before it is in this batch or in
   an earlier one. It is the flush LSN when the batch was not cut by ``upto_nchanges``, else the last commit's end.
+- Partitions: a change pgoutput reports under a leaf partition's name (a publication without
+  ``publish_via_partition_root``) belongs to the captured root table (``pg_partition_root`` of the relation's oid,
+  looked up once per relation and batch; a partition attached while streaming is found the same way). A
+  ``TRUNCATE`` that lists every current partition of a captured root truncates the root; a partition truncated
+  alone is not applied (its rows stay in the root's mirror until its chunks are read again). A change of a table
+  that is not captured (a skipped table in a ``FOR ALL TABLES`` publication) is not spilled.
 - An unchanged TOAST value is recorded in ``_cdc_unchanged`` (column names) and its typed value is NULL; when the
   old tuple carries the full old row (replica identity FULL) the old value is used instead.
 """
@@ -31,6 +37,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from cdc_assets.engine.lsn import format_lsn, parse_lsn
+from cdc_assets.engine.names import lake_folder, qualify
 from cdc_assets.engine.pg_values import PgColumn, columns_from_catalog, decode_text_table
 from cdc_assets.engine.pgoutput import Begin, Commit, PgOutputDecoder, Relation, Truncate
 from cdc_assets.engine.row_images import decode_row_images
@@ -191,6 +198,7 @@ def read_batch(
     changes = 0
     current_xid = 0
     relation_columns: dict[int, list[PgColumn]] = {}
+    roots: dict[int, str | None] = {}  # relation oid -> captured table it belongs to (itself or its partition root)
     # binary: the messages arrive as they are, not hex-encoded by the server and decoded again here
     with conn.transaction(), conn.cursor(name="cdc_peek", binary=True) as cursor:
         cursor.itersize = 5000
@@ -203,7 +211,7 @@ def read_batch(
             rows_read += 1
             if data[0] in ROW_CHANGE_TYPES:  # kept as they are and decoded column-wise when flushed
                 begin = decoder.transaction()
-                spill = _spill_for(decoder.relation_of(data), tables, spills, spill_dir, relation_columns, conn)
+                spill = _spill_for(decoder.relation_of(data), tables, spills, spill_dir, relation_columns, conn, roots)
                 if spill is None:
                     continue
                 changes += 1
@@ -220,8 +228,8 @@ def read_batch(
             elif isinstance(message, Commit):
                 transactions.append((message.commit_lsn, message.end_lsn, current_xid, message.commit_ts))
             elif isinstance(message, Truncate):
-                for relation in message.relations:
-                    spill = _spill_for(relation, tables, spills, spill_dir, relation_columns, conn)
+                for relation in _truncated(message.relations, tables, conn, roots):
+                    spill = _spill_for(relation, tables, spills, spill_dir, relation_columns, conn, roots)
                     if spill is not None:
                         changes += 1
                         spill.changes += 1
@@ -274,14 +282,16 @@ def _spill_for(
     spill_dir: Path,
     relation_columns: dict[int, list[PgColumn]],
     conn: psycopg.Connection,
+    roots: dict[int, str | None],
 ) -> TableSpill | None:
-    table = tables.get(relation.qualified_name)
-    if table is None:
+    name = _captured_name(relation, tables, conn, roots)
+    if name is None:
         return None
-    spill = spills.get(relation.qualified_name)
+    table = tables[name]
+    spill = spills.get(name)
     if spill is None:
-        spill = TableSpill(table, list(table.columns), spill_dir / relation.qualified_name)
-        spills[relation.qualified_name] = spill
+        spill = TableSpill(table, list(table.columns), spill_dir / lake_folder(table.schema, table.name))
+        spills[name] = spill
     if relation.relation_id not in relation_columns:
         relation_columns[relation.relation_id] = _columns_for_relation(relation, spill, conn)
     columns = relation_columns[relation.relation_id]
@@ -292,6 +302,56 @@ def _spill_for(
             spill.added_columns += [c for c in columns if c.name not in known]
         spill.columns = columns
     return spill
+
+
+def _captured_name(
+    relation: Relation, tables: dict[str, CapturedTable], conn: psycopg.Connection, roots: dict[int, str | None]
+) -> str | None:
+    """The captured table a relation's changes belong to: itself, or the root of the partition it is (None: not
+    captured)."""
+    if relation.qualified_name in tables:
+        return relation.qualified_name
+    if relation.relation_id not in roots:
+        row = conn.execute(
+            """
+            select n.nspname, c.relname from pg_class c join pg_namespace n on n.oid = c.relnamespace
+            where c.oid = pg_partition_root(%s::oid::regclass) and c.oid <> %s::oid
+            """,
+            [relation.relation_id, relation.relation_id],
+        ).fetchone()
+        roots[relation.relation_id] = None if row is None else qualify(row[0], row[1])
+    root = roots[relation.relation_id]
+    return root if root in tables else None
+
+
+def _truncated(
+    relations: tuple[Relation, ...] | list[Relation],
+    tables: dict[str, CapturedTable],
+    conn: psycopg.Connection,
+    roots: dict[int, str | None],
+) -> list[Relation]:
+    """The relations of a ``TRUNCATE`` to apply: captured tables as they are, and, for a partitioned root, one of its
+    partitions when the message lists every partition the root has now (the root was truncated); a partition
+    truncated alone is left out (its rows are not the whole root's)."""
+    applied: list[Relation] = []
+    leaves_by_root: dict[str, list[Relation]] = {}
+    for relation in relations:
+        name = _captured_name(relation, tables, conn, roots)
+        if name is None:
+            continue
+        if name == relation.qualified_name:
+            applied.append(relation)
+        else:
+            leaves_by_root.setdefault(name, []).append(relation)
+    for root, leaves in leaves_by_root.items():
+        table = tables[root]
+        rows = conn.execute(
+            "select count(*) from pg_partition_tree(%s::regclass) where isleaf",
+            [table.identifier.as_string(conn)],
+        ).fetchone()
+        if rows is not None and len({r.relation_id for r in leaves}) >= rows[0]:
+            applied.append(leaves[0])
+    return applied
 
 
 def _columns_for_relation(relation: Relation, spill: TableSpill, conn: psycopg.Connection) -> list[PgColumn]:

@@ -14,6 +14,7 @@ from cdc_assets.engine.watermark import settled_at_low_watermark, widen_xid
 from cdc_assets.postgres.catalog import (
     check_replication_role,
     describe_table,
+    discover,
     discover_tables,
     ensure_publication,
     ensure_slot,
@@ -192,15 +193,44 @@ def test_missing_publication_refused_with_admin_statement_missing_slot_created(a
     reader.close()
 
 
-def test_table_without_key_named(admin: psycopg.Connection) -> None:
-    config = source_config(tables=(TableConfig("public", "nokey"),))
-    reader = connect(config.connection, "t")
-    with pytest.raises(SourceError, match=r"table public\.nokey has no primary key; configure a surrogate_key"):
-        discover_tables(reader, config)
-    with_key = source_config(tables=(TableConfig("public", "nokey", surrogate_key=("x", "zz")),))
-    with pytest.raises(SourceError, match=r"surrogate_key column 'zz' does not exist"):
-        discover_tables(reader, with_key)
-    reader.close()
+def test_a_table_that_cannot_be_captured_is_skipped_by_name_and_the_others_are_captured(
+    admin: psycopg.Connection,
+) -> None:
+    """No key, an unknown surrogate-key column, no SELECT, a listed partition, a listed table that does not exist:
+    each is skipped with its reason and fix, and every other table is captured (failed on the old code: the first
+    such table raised for the whole source)."""
+    admin.execute(
+        """
+        create table secret (id int primary key);
+        create table meas (id int, at date, v int, primary key (id, at)) partition by range (at);
+        create table meas_2025 partition of meas for values from ('2025-01-01') to ('2026-01-01');
+        grant select on meas, meas_2025 to cdc_reader;
+        """
+    )
+    try:
+        listed = ("nokey", "secret", "meas_2025", "gone")
+        config = source_config(
+            tables=(TableConfig("public", "ints"), *(TableConfig("public", name) for name in listed)),
+            include=("public.m*",),
+        )
+        reader = connect(config.connection, "t")
+        found = discover(reader, config)
+        assert [t.qualified_name for t in found.tables] == ["public.ints", "public.meas"]  # the root, not its leaf
+        reasons = {t.qualified_name: (t.reason, t.fix) for t in found.skipped}
+        assert sorted(reasons) == ["public.gone", "public.meas_2025", "public.nokey", "public.secret"]
+        assert reasons["public.nokey"][0] == "has no primary key" and "surrogate_key" in reasons["public.nokey"][1]
+        assert "may not SELECT" in reasons["public.secret"][0]
+        assert 'GRANT SELECT ON "public"."secret" TO "cdc_reader"' in reasons["public.secret"][1]
+        assert reasons["public.meas_2025"][0] == "it is a partition of public.meas"
+        assert "does not exist" in reasons["public.gone"][0]
+        with_key = source_config(tables=(TableConfig("public", "nokey", surrogate_key=("x", "zz")),))
+        ((skipped,),) = [discover(reader, with_key).skipped]
+        assert skipped.reason == "has no column 'zz' of its surrogate_key" and "columns: x, y" in skipped.fix
+        with_key = source_config(tables=(TableConfig("public", "nokey", surrogate_key=("x",)),))
+        assert [t.key_columns for t in discover_tables(reader, with_key)] == [("x",)]
+        reader.close()
+    finally:
+        admin.execute("drop table secret, meas")
 
 
 def test_with_current_columns_sees_an_added_column_and_names_a_lost_key(admin: psycopg.Connection) -> None:
@@ -259,7 +289,6 @@ def test_bad_input_fails_clearly_and_moves_no_offset(admin: psycopg.Connection, 
     ).fetchone()
     unreachable = PostgresConnection("127.0.0.1", 1, DATABASE, "cdc_reader", Secret(PASSWORD), connect_timeout=2)
     cases = [
-        (source_config(tables=(TableConfig("public", "nokey"),)), r"table public\.nokey has no primary key"),
         (source_config(publication="nope_pub"), r"publication 'nope_pub' does not exist and role 'cdc_reader' may not"),
         (
             source_config(connection=unreachable),
@@ -277,3 +306,11 @@ def test_bad_input_fails_clearly_and_moves_no_offset(admin: psycopg.Connection, 
     ).fetchone()
     assert slot_after == slot_before
     assert not list(tmp_path.rglob("*")), "nothing may be written to the lake"
+    # a table without a key is no bad input for the source: it is skipped by name, and the source prepares
+    keyless = source_config(tables=(TableConfig("public", "nokey"),))
+    pipeline = PostgresPipeline(CdcConfig(tmp_path, SparkConfig(), (keyless,)), keyless)
+    assert pipeline.prepare() == {}
+    assert [t.message for t in pipeline.skipped()] == [
+        "table public.nokey is not captured: has no primary key; fix: configure a surrogate_key (columns that "
+        "identify a row uniquely) for it under 'tables', add a primary key, or exclude it"
+    ]
