@@ -10,6 +10,9 @@ Contract:
 - ``append_changelog``: appends a batch's changes, skipping those at or below the offset recorded in the changelog's
   last commit (``userMetadata``; a retried batch appends nothing twice: batches are contiguous in commit order, one
   table's append is one atomic Delta commit, and only stream batches write changelogs).
+- Column names Delta refuses by default (spaces, ``,;{}()=``, tab, newline) are kept as they are: a mirror or
+  changelog that holds one is created with (or switched to) Delta column mapping by name
+  (``cdc_assets.lake.column_mapping``); the commits that do so carry no offset and are not taken for one.
 - ``apply_changes``: applies the net change per key, in commit order (``_cdc_position``, ``_cdc_seq``); a key change
   deletes the old key; a ``TRUNCATE`` deletes the rows older than it. Every write is guarded by
   ``_cdc_position``: a change is applied only to a row older than itself, so re-applying a batch is a no-op.
@@ -51,6 +54,9 @@ from cdc_assets.engine.lsn import parse_lsn
 from cdc_assets.engine.pg_values import UNREPRESENTABLE_COLUMN, PgColumn, spark_schema
 from cdc_assets.engine.windows import ChunkWindow
 from cdc_assets.lake import staging
+from cdc_assets.lake.column_mapping import MODE as MAPPING_MODE
+from cdc_assets.lake.column_mapping import column_mapping_properties, enable_column_mapping, refused_names
+from cdc_assets.lake.delta_tables import table_or_none
 from cdc_assets.lake.retry import commit_with_retry
 
 META_FIELDS = [
@@ -79,14 +85,16 @@ def ensure_mirror(
     schema = T.StructType([*source_fields, *[f for f in also if f.name not in described], *META_FIELDS])
 
     def create() -> None:
-        (
+        builder = (
             DeltaTable.createIfNotExists(spark)
             .location(path)
             .addColumns(schema)
             .property("delta.enableChangeDataFeed", "true")
             .property("delta.enableDeletionVectors", "true")
-            .execute()
         )
+        for name, value in column_mapping_properties(schema).items():  # column names Delta refuses by default
+            builder = builder.property(name, value)
+        builder.execute()
 
     if not DeltaTable.isDeltaTable(spark, path):
         commit_with_retry(create, f"create mirror {path}")
@@ -94,6 +102,7 @@ def ensure_mirror(
     existing = {f.name for f in table.toDF().schema.fields}
     missing = [f for f in schema.fields if f.name not in existing]
     if missing:
+        enable_column_mapping(spark, path, T.StructType(missing))
         added = ", ".join(f"{q(f.name)} {f.dataType.simpleString()}" for f in missing)
         commit_with_retry(lambda: spark.sql(f"ALTER TABLE delta.{q(path)} ADD COLUMNS ({added})"), f"evolve {path}")
         table = DeltaTable.forPath(spark, path)
@@ -113,6 +122,8 @@ def mirror_source_fields(mirror: DeltaTable) -> list[T.StructField]:
 
 
 MAINTENANCE_OPERATIONS = ("OPTIMIZE", "VACUUM START", "VACUUM END")
+# commits that write no change: an empty changelog created with column mapping, mapping turned on later
+SCHEMA_OPERATIONS = ("CREATE TABLE", "SET TBLPROPERTIES")
 
 
 def last_applied_lsn(spark: SparkSession, path: str) -> int | None:
@@ -124,7 +135,7 @@ def last_applied_lsn(spark: SparkSession, path: str) -> int | None:
     for limit in (1, 32, None):
         history = table.history(limit) if limit else table.history()
         row = (
-            history.where(~F.col("operation").isin(*MAINTENANCE_OPERATIONS))
+            history.where(~F.col("operation").isin(*MAINTENANCE_OPERATIONS, *SCHEMA_OPERATIONS))
             .orderBy(F.col("version").desc())
             .select("userMetadata")
             .first()
@@ -144,6 +155,12 @@ def append_changelog(spark: SparkSession, path: str, changes: DataFrame) -> None
     already = last_applied_lsn(spark, path)
     if already is not None:
         changes = changes.where(F.col("_cdc_position") > already)
+    if refused_names(changes.schema):  # column names Delta refuses by default: column mapping, created first
+        if table_or_none(spark, path) is None:
+            create = DeltaTable.createIfNotExists(spark).location(path).addColumns(changes.schema)
+            commit_with_retry(lambda: create.property(MAPPING_MODE, "name").execute(), f"create changelog {path}")
+        else:
+            enable_column_mapping(spark, path, changes.schema)
     writer = changes.write.format("delta").mode("append").option("mergeSchema", "true")
     commit_with_retry(lambda: writer.save(path), f"changelog {path}")
 
