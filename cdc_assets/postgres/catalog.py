@@ -5,8 +5,9 @@ Contract:
   the catalog, key = primary key or configured surrogate key) and ``SkippedTable``s: **one table that cannot be
   captured never stops the others**. A table without a primary key and without a configured surrogate key, an
   unknown surrogate-key column, a listed table that does not exist, a table the role may not ``SELECT``, a leaf
-  partition (captured through its root), or a table whose columns the codec refuses is skipped, each with its
-  reason and the fix; ``discover_tables`` is ``discover(...).tables``. Partitioned tables are captured as their root
+  partition (captured through its root), a table with a column name holding a backtick (Delta's MERGE with
+  Change Data Feed fails on it), or a table whose columns the codec refuses is skipped, each with its reason and
+  the fix; ``discover_tables`` is ``discover(...).tables``. Partitioned tables are captured as their root
   (``relkind 'p'``): a read of the root covers every partition, and the stream maps a partition's changes to the
   root (``cdc_assets.postgres.stream``). ``partitions_of`` lists a root's leaf partitions now.
 - Qualified names are ``cdc_assets.engine.names.qualify(schema, name)``; every statement quotes identifiers with
@@ -234,6 +235,12 @@ def describe_table(conn: psycopg.Connection, source: SourceConfig, table: TableC
         ).fetchall()
     ]
     names = {c.name for c in columns}
+    unusable = sorted(name for name in names if "`" in name)
+    if unusable:  # Delta's MERGE with Change Data Feed fails on them (INVALID_ATTRIBUTE_NAME_SYNTAX, packedCdc.`...`)
+        raise CannotCapture(
+            source.name, table.qualified_name, f"has column(s) {unusable} whose names hold a backtick, which Delta's "
+            "MERGE with Change Data Feed cannot handle", "rename the column(s) or exclude the table",
+        )  # fmt: skip
     if table.surrogate_key:
         unknown = [c for c in table.surrogate_key if c not in names]
         if unknown:

@@ -42,7 +42,8 @@ GROESSE = "Größe"
 SCHEMA_SQL = f"""
 create table plain (id bigint primary key, v text);
 create table "{ORDER_ITEMS}" (id int primary key, "unit price (€)" numeric(10,2), "a,b=c;d{{e}}" text,
-                              "tab\tnew" int);
+                              "tab\tnew" int, "v.1" text, "quote""d" text);
+create table backtick (id int primary key, "a`b" text);
 create table "order-items" (id int primary key, v text);
 create table order_items (id int primary key, v text);
 create table "{GROESSE}" (id int primary key, "Maß" text);
@@ -53,7 +54,8 @@ create table meas (id int primary key, v text) partition by range (id);
 create table meas_low partition of meas for values from (0) to (1000);
 create table meas_high partition of meas for values from (1000) to (2000);
 insert into plain select g, 'p' || g from generate_series(1, 900) g;
-insert into "{ORDER_ITEMS}" select g, g / 3.0, 'x,' || g || '=y', g from generate_series(1, 700) g;
+insert into "{ORDER_ITEMS}"
+select g, g / 3.0, 'x,' || g || '=y', g, 'dot' || g, 'q' || g from generate_series(1, 700) g;
 insert into "order-items" select g, 'dash' || g from generate_series(1, 300) g;
 insert into order_items select g, 'under' || g from generate_series(1, 300) g;
 insert into "{GROESSE}" select g, 'ß' || g from generate_series(1, 300) g;
@@ -145,15 +147,22 @@ def test_definitions_load_with_every_odd_name_and_report_the_keyless_table(sourc
     assert len(requested) == len(CAPTURED)  # every capturable table's initial snapshot
     assert ("odd", "public", "nolog") not in requested
     evaluations = [e for e in result.asset_events if getattr(e, "check_name", None) == "table_is_captured"]
-    assert [(tuple(e.asset_key.path), e.passed) for e in evaluations] == [(("odd", "public", "nolog"), False)]
-    assert "public.nolog is not captured: has no primary key" in evaluations[0].description
+    assert [(tuple(e.asset_key.path), e.passed) for e in evaluations] == [
+        (("odd", "public", "backtick"), False),
+        (("odd", "public", "nolog"), False),
+    ]
+    assert "public.backtick is not captured: has column(s) ['a`b'] whose names hold a backtick" in (
+        evaluations[0].description
+    )
+    assert "public.nolog is not captured: has no primary key" in evaluations[1].description
     for request in result.dynamic_partitions_requests:  # as the daemon applies them
         instance.add_dynamic_partitions(request.partitions_def_name, list(request.partition_keys))
     with build_sensor_context(
         instance=instance, resources=defs.resources, definitions=defs, cursor=result.cursor
     ) as context:
         again = planner.evaluate_tick(context)  # once planned: the skip reason names the table, reason and fix
-    assert again.skip_message and "NOT captured: table public.nolog" in again.skip_message
+    assert again.skip_message and "2 table(s) NOT captured: table public.backtick" in again.skip_message
+    assert "table public.nolog is not captured: has no primary key" in again.skip_message
     assert "surrogate_key" in again.skip_message
     assert not again.asset_events  # the check's evaluation is recorded once per reason
 
@@ -197,11 +206,14 @@ class Writer(threading.Thread):
         choice = r.random()
         if table == sql.Identifier("public", ORDER_ITEMS):
             if choice < 0.4:
-                statement = sql.SQL('update {} set "unit price (€)" = %s, "a,b=c;d{{e}}" = %s where id = %s')
-                c.execute(statement.format(table), [n / 7, f"w,{n}=", n % 800])
+                statement = sql.SQL(
+                    'update {} set "unit price (€)" = %s, "a,b=c;d{{e}}" = %s, "v.1" = %s, "quote""d" = %s '
+                    "where id = %s"
+                )
+                c.execute(statement.format(table), [n / 7, f"w,{n}=", f"v{n}", f"q{n}", n % 800])
             elif choice < 0.7:
-                c.execute(sql.SQL("insert into {} values (%s, 1, 'new', %s) on conflict do nothing").format(table),
-                          [n, n])  # fmt: skip
+                statement = sql.SQL("insert into {} values (%s, 1, 'new', %s, 'n', 'n') on conflict do nothing")
+                c.execute(statement.format(table), [n, n])
             else:
                 c.execute(sql.SQL("delete from {} where id = %s").format(table), [n % 800])
         elif table == sql.Identifier("public", GROESSE):
@@ -236,7 +248,7 @@ def test_every_capturable_table_is_mirrored_exactly_under_a_concurrent_writer(so
     pipeline = PostgresPipeline(config, config.sources[0])
     tables = pipeline.prepare()
     assert sorted(tables) == sorted(CAPTURED)
-    assert [t.qualified_name for t in pipeline.skipped()] == ["public.nolog"]
+    assert [t.qualified_name for t in pipeline.skipped()] == ["public.backtick", "public.nolog"]
     writer = Writer(f"{admin_dsn} dbname={DATABASE}")
     writer.start()
     recorded = None
@@ -256,7 +268,8 @@ def test_every_capturable_table_is_mirrored_exactly_under_a_concurrent_writer(so
     names = {t.name for t in tables.values()}
     assert {ORDER_ITEMS, GROESSE, "t.1"} <= names
     mirror = spark.read.format("delta").load(pipeline.lake.table(f"public.{ORDER_ITEMS}").mirror)
-    assert {"unit price (€)", "a,b=c;d{e}", "tab\tnew"} <= set(mirror.columns)  # the real column names
+    real_names = {"unit price (€)", "a,b=c;d{e}", "tab\tnew", "v.1", 'quote"d'}
+    assert real_names <= set(mirror.columns)
 
 
 def test_a_partition_attached_while_streaming_reaches_the_roots_mirror_exactly_once(source, spark) -> None:
