@@ -255,8 +255,9 @@ def test_every_capturable_table_is_mirrored_exactly_under_a_concurrent_writer(so
     try:
         for step, (_name, table) in enumerate(sorted(tables.items())):
             pipeline.snapshot(spark, table, list(range(len(pipeline.plan(table).chunks))), f"run{step}")
-            recorded, report = stream_once(pipeline, spark, recorded)
-            assert "public.nolog" in report.skipped_tables and "no primary key" in report.skipped_tables["public.nolog"]
+            if step % 3 == 2:  # a batch every third table: each batch applies changes to every table
+                recorded, report = stream_once(pipeline, spark, recorded)
+                assert "no primary key" in report.skipped_tables["public.nolog"]
     finally:
         writer.stop.set()
         writer.join(30)
