@@ -299,9 +299,15 @@ def test_a_partition_attached_while_streaming_reaches_the_roots_mirror_exactly_o
     assert reason is not None and "public.meas_next attached" in reason
     pipeline.snapshot(spark, meas, list(range(len(pipeline.plan(meas).chunks))), "repartition")
     admin.execute("update meas set v = 'after' where id between 2200 and 2209")
-    catch_up(pipeline, spark, recorded)
+    recorded = catch_up(pipeline, spark, recorded)
     assert_exact(pipeline, spark, config)
     assert_no_duplicate_keys(pipeline, spark)
     mirror = spark.read.format("delta").load(pipeline.lake.table("public.meas").mirror)
     assert mirror.where("id >= 2000").count() == 500 - 10 + 2
     assert mirror.where("v = 'changed'").count() == 50 and mirror.where("v = 'after'").count() == 10
+    # a TRUNCATE of the root: pgoutput lists every partition, and the root's mirror is truncated (once)
+    admin.execute("truncate meas")
+    admin.execute("insert into meas values (5, 'five'), (2005, 'later')")
+    catch_up(pipeline, spark, recorded)
+    assert_exact(pipeline, spark, config)
+    assert spark.read.format("delta").load(pipeline.lake.table("public.meas").mirror).count() == 2
