@@ -49,7 +49,7 @@ from cdc_assets.engine.lsn import format_lsn, parse_lsn
 from cdc_assets.engine.names import dagster_part, split_qualified, table_slug
 from cdc_assets.lake.layout import UpkeepStep
 from cdc_assets.range_check import RangeCheck, check_range
-from cdc_assets.source import CdcSource, SkippedTableLike, StreamReport
+from cdc_assets.source import CdcSource, SkippedTableLike, SourceLag, StreamReport
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -304,6 +304,7 @@ def build_stream_asset(source: SourceConfig, table_names: list[str]) -> AssetsDe
         deadline = time.monotonic() + source.stream.run_seconds
         while True:
             report = pipeline.stream_batch(spark, recorded, context.run.run_id)
+            context.log.info(batch_log_line(report))
             for item in report.reconciled:
                 yield AssetObservation(
                     asset_key=table_asset_key(source.name, item["table"]),
@@ -363,11 +364,43 @@ def _maintain(
     )
 
 
+def batch_log_line(report: StreamReport) -> str:
+    """One line per batch in its run's log: changes, bytes, tables, lag, phase seconds, and the bounds when failed
+    batches shrank them."""
+    tables = ", ".join(f"{name} {figures['changes']}" for name, figures in sorted(report.per_table.items())) or "none"
+    phases = ", ".join(f"{phase} {seconds:.2f} s" for phase, seconds in report.phase_seconds.items())
+    lag_seconds = 0.0 if report.lag_seconds is None else report.lag_seconds
+    line = (
+        f"stream batch: {report.changes} changes in {report.transactions} transactions, {report.bytes} bytes; "
+        f"tables: {tables}; lag {report.lag_bytes} bytes, {lag_seconds:.1f} s; {phases}; "
+        f"{len(report.reconciled)} chunks reconciled, {report.waiting_windows} waiting"
+    )
+    bounds = report.bounds
+    if bounds.get("shrunk"):
+        line += (
+            f"; a SMALLER batch than configured (at most {bounds['max_changes']} changes, {bounds['max_bytes']} bytes)"
+            f" after {bounds['failures']} failed batch(es): {bounds.get('reason', '')}; next batch at most "
+            f"{bounds['next_max_changes']} changes, {bounds['next_max_bytes']} bytes"
+        )
+    return line
+
+
 def batch_metadata(report: StreamReport) -> dict[str, object]:
     """A batch's materialization metadata: the offset (DDD-4 names) and numeric figures the UI plots."""
     offset = {k: v for k, v in report.offset.items() if v is not None}
+    bounds: dict[str, object] = {}
+    if report.bounds:
+        bounds = {
+            "batch_max_changes": report.bounds["max_changes"],
+            "batch_max_bytes": report.bounds["max_bytes"],
+            "batch_shrunk": bool(report.bounds["shrunk"]),
+        }
+        if report.bounds.get("shrunk"):
+            bounds["batch_shrunk_reason"] = MetadataValue.text(str(report.bounds.get("reason", "")))
     return {
         **offset,
+        **bounds,
+        "bytes": report.bytes,
         "changes": report.changes,
         "transactions": report.transactions,
         "seconds": round(report.seconds, 3),
@@ -381,6 +414,64 @@ def batch_metadata(report: StreamReport) -> dict[str, object]:
         "skipped_tables": MetadataValue.json(report.skipped_tables),
         **{f"seconds_{phase}": seconds for phase, seconds in report.phase_seconds.items()},
     }
+
+
+LAG_CHECK_NAME = "lag_within_bound"
+
+
+def lag_evaluation(source: SourceConfig, lag: SourceLag) -> dict[str, Any]:
+    """The lag check's fields: failed when the slot lags more than ``stream.max_lag_alert_bytes`` or its oldest
+    waiting change is older than ``stream.max_lag_alert_seconds``."""
+    settings = source.stream
+    over = []
+    if lag.lag_bytes > settings.max_lag_alert_bytes:
+        over.append(f"{lag.lag_bytes} bytes > stream.max_lag_alert_bytes={settings.max_lag_alert_bytes}")
+    if lag.lag_seconds > settings.max_lag_alert_seconds:
+        over.append(f"{lag.lag_seconds:.0f} s > stream.max_lag_alert_seconds={settings.max_lag_alert_seconds}")
+    description = (
+        f"stream of source {source.name!r} lags: " + "; ".join(over) + ". Look at the stream runs' failures and logs."
+        if over
+        else f"stream of source {source.name!r} lags {lag.lag_bytes} bytes, {lag.lag_seconds:.0f} s: within bounds"
+    )
+    return {
+        "passed": not over,
+        "metadata": lag_metadata(lag)
+        | {
+            "max_lag_alert_bytes": settings.max_lag_alert_bytes,
+            "max_lag_alert_seconds": settings.max_lag_alert_seconds,
+        },
+        "description": description,
+    }
+
+
+def lag_metadata(lag: SourceLag) -> dict[str, Any]:
+    return {
+        "lag_bytes": lag.lag_bytes,
+        "lag_seconds": round(lag.lag_seconds, 3),
+        "changes_waiting": lag.changes_waiting,
+    }
+
+
+def build_lag_check(source: SourceConfig) -> AssetChecksDefinition:
+    """The stream asset's lag check. The streaming sensor also records an evaluation of it on every tick (with the
+    lag as an observation), so it fails while stream runs fail or do not run at all."""
+
+    @asset_check(
+        asset=stream_asset_key(source.name),
+        name=LAG_CHECK_NAME,
+        required_resource_keys={"cdc"},
+        blocking=False,
+        description=(
+            f"Fails when the slot of source {source.name!r} lags the server by more than stream.max_lag_alert_bytes="
+            f"{source.stream.max_lag_alert_bytes} or its oldest waiting change is older than "
+            f"stream.max_lag_alert_seconds={source.stream.max_lag_alert_seconds}. The streaming sensor evaluates it "
+            "on every tick, whether or not stream runs succeed."
+        ),
+    )
+    def lag_within_bound(context: AssetCheckExecutionContext) -> AssetCheckResult:
+        return AssetCheckResult(**lag_evaluation(source, context.resources.cdc.pipeline(source.name).lag()))
+
+    return lag_within_bound
 
 
 def _next_batch_due(context: AssetExecutionContext, pipeline: CdcSource, source: SourceConfig, deadline: float) -> bool:

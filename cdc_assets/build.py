@@ -21,6 +21,7 @@ from dagster import Definitions, define_asset_job
 
 from cdc_assets.assets import (
     build_consistency_check,
+    build_lag_check,
     build_skipped_table,
     build_stream_asset,
     build_table_asset,
@@ -71,6 +72,7 @@ def build_definitions(config_path: str | os.PathLike[str]) -> Definitions:
         check_jobs = {name: build_chunk_check_job(source.name, name) for name in names}
         jobs += check_jobs.values()
         assets.append(build_stream_asset(source, names))
+        checks.append(build_lag_check(source))
         stream_job = define_asset_job(stream_job_name(source.name), selection=[stream_asset_key(source.name)])
         jobs += [stream_job, build_change_offset_job(source.name)]
         sensors.append(build_stream_sensor(source.name, stream_job.name, source.stream.interval_seconds))

@@ -90,8 +90,16 @@ class StreamConfig:
     # bound of one batch: each batch pays fixed Delta commits and Spark jobs, so larger batches apply a backlog faster
     # (bench.stream, 1M changes: 9.5k changes/s at 100k, 13.6k at 250k, 16.2k at 500k; same JVM and driver RSS)
     max_changes: int = 500_000
+    # the same bound in bytes (the captured tables' change messages; stops at a transaction boundary too): memory is
+    # bounded by bytes, not rows, so rows of big values make small batches (a larger transaction streams spilled)
+    max_batch_bytes: int = 256 * 1024 * 1024
     max_lag_bytes: int = 256 * 1024 * 1024
     spill_rows: int = 50_000
+    # bytes of change messages per spilled Parquet part (one row group; a larger single value is a part of its own)
+    spill_bytes: int = 32 * 1024 * 1024
+    # the stream asset's check ``lag_within_bound`` fails when the slot lags the server by more than these
+    max_lag_alert_bytes: int = 1024 * 1024 * 1024
+    max_lag_alert_seconds: int = 900
     # a stream run keeps its Spark session and runs batches for up to this many seconds (0: one batch per run)
     run_seconds: int = 0
     # how often a long-lived stream run asks the source whether a batch is due
@@ -262,6 +270,7 @@ def _connection(raw: Any, where: str, environ: Any) -> PostgresConnection:
 def _stream(raw: Any, where: str) -> StreamConfig:
     positive = {
         "interval_seconds", "max_changes", "max_lag_bytes", "spill_rows", "poll_seconds", "compact_target_mb",
+        "max_batch_bytes", "spill_bytes", "max_lag_alert_bytes", "max_lag_alert_seconds",
     }  # fmt: skip
     zero_or_positive = {"run_seconds", "compact_seconds", "vacuum_seconds"}
     stream = _mapping(raw, where, positive | zero_or_positive)

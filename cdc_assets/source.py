@@ -17,7 +17,10 @@ engine (chunks, watermark windows, reconciliation, offsets) and the lake code ar
 - ``acknowledge(position)`` lets the source forget changes up to a recorded position (PostgreSQL: the slot moves
   forward; a source that keeps no server-side state for us has nothing to do) and returns the position the source
   now holds.
-- ``pending_work()`` says why a batch is due now, or None; cheap enough for a sensor that runs every few seconds.
+- ``pending_work(lag)`` says why a batch is due now, or None; cheap enough for a sensor that runs every few seconds
+  (``lag``: a ``lag()`` the caller just took, so the source is asked once).
+- ``lag()`` is the stream's lag at the source (``SourceLag``), whether or not batches succeed: the streaming
+  sensor records it on every tick.
 - ``column_names(table)`` are the table's columns as ``prepare()`` described them, and
   ``filled_without_changes(table, names)`` the ones of ``names`` (columns added since the caller last looked) whose
   values in rows written before can differ from NULL although no change carried them (PostgreSQL: a column added
@@ -91,7 +94,8 @@ class SnapshotReport:
 @dataclass
 class StreamReport:
     """One stream batch: the offset to record (field names of Debezium's offsets, DDD-4), counts, lag, the chunks
-    it reconciled and the seconds of its phases."""
+    it reconciled, the seconds of its phases, the bytes of changes it held and the bounds it was read with
+    (``max_changes``, ``max_bytes``, ``shrunk`` after failed batches, the next batch's bounds)."""
 
     offset: dict[str, object]
     changes: int
@@ -105,6 +109,19 @@ class StreamReport:
     phase_seconds: dict[str, float] = field(default_factory=dict)
     # selected tables that are not captured (their changes are not applied): name -> reason and fix
     skipped_tables: dict[str, str] = field(default_factory=dict)
+    bytes: int = 0
+    bounds: dict[str, object] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class SourceLag:
+    """How far the lake is behind the source: ``lag_bytes`` of change log the source keeps for us (PostgreSQL: the
+    server's flush LSN minus the slot's confirmed position), ``lag_seconds`` since the oldest change not yet applied
+    was committed (0 when none waits), and whether a change waits at all."""
+
+    lag_bytes: int
+    lag_seconds: float
+    changes_waiting: bool
 
 
 class CdcSource(Protocol[TableT]):
@@ -126,7 +143,9 @@ class CdcSource(Protocol[TableT]):
 
     def acknowledge(self, position: int) -> int: ...
 
-    def pending_work(self) -> str | None: ...
+    def pending_work(self, lag: SourceLag | None = None) -> str | None: ...
+
+    def lag(self) -> SourceLag: ...
 
     def column_names(self, table: TableT) -> list[str]: ...
 

@@ -4,18 +4,26 @@ batches for up to ``stream.run_seconds``, keeping its Spark session).
 Work means: the slot holds a change for the publication, a staged chunk's high watermark is at or below the
 server's flush LSN (its window can close), or the slot lags the server by more than ``max_lag_bytes`` (advance it
 so the server can recycle WAL while the captured tables are idle and others are busy).
+
+On every tick, whether a run is in flight, has failed or is not needed, it records the slot's lag (bytes and
+seconds, ``CdcSource.lag``) as an observation of the stream asset (the UI plots it) and an evaluation of the stream
+asset's ``lag_within_bound`` check (failed past ``stream.max_lag_alert_bytes`` / ``_seconds``), so a stalled stream
+shows in the UI even while every run fails.
 """
 
 from dagster import (
+    AssetCheckEvaluation,
+    AssetObservation,
     RunRequest,
     RunsFilter,
     SensorDefinition,
     SensorEvaluationContext,
+    SensorResult,
     SkipReason,
     sensor,
 )
 
-from cdc_assets.assets import ACTIVE_RUN_STATUSES
+from cdc_assets.assets import ACTIVE_RUN_STATUSES, LAG_CHECK_NAME, lag_evaluation, lag_metadata, stream_asset_key
 from resources.cdc import CdcResource
 
 
@@ -32,14 +40,22 @@ def build_stream_sensor(source_name: str, job_name: str, interval_seconds: int) 
         source = cdc.config.source(source_name)
         if source.startup_mode == "snapshot":
             return SkipReason("startup_mode is 'snapshot': no streaming")
+        pipeline = cdc.pipeline(source_name)
+        lag = pipeline.lag()
+        key = stream_asset_key(source_name)
+        events = [
+            AssetObservation(asset_key=key, metadata=lag_metadata(lag)),
+            AssetCheckEvaluation(asset_key=key, check_name=LAG_CHECK_NAME, **lag_evaluation(source, lag)),
+        ]
         active = RunsFilter(job_name=job_name, statuses=ACTIVE_RUN_STATUSES)
         in_flight = context.instance.get_run_records(active, limit=1)
         if in_flight:
-            return SkipReason(f"stream run {in_flight[0].dagster_run.run_id} is still in flight")
-        reason = cdc.pipeline(source_name).pending_work()
+            skip = f"stream run {in_flight[0].dagster_run.run_id} is still in flight"
+            return SensorResult(skip_reason=skip, asset_events=events)
+        reason = pipeline.pending_work(lag)
         if reason is None:
-            return SkipReason("nothing new")
-        return RunRequest(tags={"cdc/reason": reason})
+            return SensorResult(skip_reason="nothing new", asset_events=events)
+        return SensorResult(run_requests=[RunRequest(tags={"cdc/reason": reason})], asset_events=events)
 
     return stream_sensor
 

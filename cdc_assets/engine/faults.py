@@ -9,6 +9,10 @@ Points: ``snapshot.before_window_record`` (rows staged, window not recorded), ``
 (changelogs appended, mirrors not merged), ``stream.after_lake_commit`` (lake written, offset not recorded),
 ``stream.after_offset_record`` (offset recorded, slot not advanced), ``stream.during_maintenance`` (lake upkeep
 between batches: a table's finished staged attempts dropped, its tables not yet compacted or vacuumed).
+
+Size faults raise instead of killing: ``size_fault(name, size)`` raises ``InjectedFault`` when ``CDC_FAULTS`` lists
+``name=N`` and ``size`` exceeds ``N`` (always, no probability). Point: ``stream.batch_over`` (a stream batch holding
+more than N changes fails before it writes the lake; the retried batch is smaller, ``cdc_assets.engine.batch_bounds``).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ POINTS = (
     "stream.after_offset_record",
     "stream.during_maintenance",
 )
+SIZE_POINTS = ("stream.batch_over",)
 _draw = random.Random(os.environ.get("CDC_FAULT_SEED", "0"))
 
 
@@ -35,3 +40,16 @@ def fault_point(name: str) -> None:
         return
     if _draw.random() < float(os.environ.get("CDC_FAULT_PROBABILITY", "1")):
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+class InjectedFault(RuntimeError):
+    """A failure raised by a size fault point."""
+
+
+def size_fault(name: str, size: int) -> None:
+    if name not in SIZE_POINTS:
+        raise ValueError(f"unknown size fault point {name!r}; known: {', '.join(SIZE_POINTS)}")
+    for item in os.environ.get("CDC_FAULTS", "").split(","):
+        point, _, limit = item.partition("=")
+        if point == name and limit.isdigit() and size > int(limit):
+            raise InjectedFault(f"fault point {name}: the batch holds {size} changes, more than {limit} (CDC_FAULTS)")

@@ -814,14 +814,17 @@ def copy_query_to_arrow(
     columns: list[PgColumn],
     batch_rows: int = 65536,
     segment_bytes: int = 16 << 20,
+    batch_bytes: int = 64 << 20,
 ) -> Iterator[pa.Table]:
     """Typed tables of ``batch_rows`` rows (the last one smaller; nothing for an empty result) from
-    ``COPY (query) TO STDOUT WITH (FORMAT csv)``; ``query`` must return exactly ``columns``, in order.
+    ``COPY (query) TO STDOUT WITH (FORMAT csv)``; ``query`` must return exactly ``columns``, in order. A table is
+    also cut once its rows' text reaches ``batch_bytes`` (rows of big values make tables of fewer rows; a row
+    larger than that is a table of its own).
 
     The bytes are streamed: cut at row boundaries into segments of about ``segment_bytes`` and parsed by
     ``pyarrow.csv.open_csv`` with every column as a string, then decoded by ``decode_text_table``. Memory
-    is bounded by one segment plus one batch, never the whole result. Closing the iterator early cancels the
-    COPY.
+    is bounded by one segment plus one batch (in rows and in bytes), never the whole result. Closing the iterator
+    early cancels the COPY.
     """
     if batch_rows < 1:
         raise ValueError("batch_rows must be at least 1")
@@ -832,12 +835,14 @@ def copy_query_to_arrow(
     statement = sql.SQL("COPY ({}) TO STDOUT WITH (FORMAT csv)").format(query)
     pending: list[pa.RecordBatch] = []
     pending_rows = 0
+    pending_bytes = 0
     with conn.cursor() as cursor, cursor.copy(statement) as copy:
         for segment in _copy_segments(copy, segment_bytes):
             for batch in _parse_csv_segment(segment, internal):
                 pending.append(batch)
                 pending_rows += batch.num_rows
-                if pending_rows < batch_rows:
+                pending_bytes += batch.nbytes
+                if pending_rows < batch_rows and pending_bytes < batch_bytes:
                     continue
                 texts = pa.Table.from_batches(pending).rename_columns(names)
                 offset = 0
@@ -845,7 +850,11 @@ def copy_query_to_arrow(
                     yield decode_text_table(columns, texts.slice(offset, batch_rows))
                     offset += batch_rows
                 rest = texts.slice(offset)
+                if pending_bytes >= batch_bytes and rest.num_rows:
+                    yield decode_text_table(columns, rest)
+                    rest = rest.slice(rest.num_rows)
                 pending = rest.rename_columns(internal).to_batches()
                 pending_rows = rest.num_rows
+                pending_bytes = sum(b.nbytes for b in pending)
     if pending_rows:
         yield decode_text_table(columns, pa.Table.from_batches(pending).rename_columns(names))

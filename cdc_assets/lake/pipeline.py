@@ -23,23 +23,33 @@ Contract (Dagster calls these from assets and sensors; tests call them directly)
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import time
 import uuid
 from collections.abc import Iterator, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from functools import cached_property
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import psycopg
 import pyarrow as pa
+from pyspark import StorageLevel
 from pyspark.sql import SparkSession
 from pyspark.sql import functions as F
 
 from cdc_assets.config import CdcConfig, PostgresConnection, SourceConfig
+from cdc_assets.engine.batch_bounds import (
+    BatchBounds,
+    after_failure,
+    after_success,
+    recover_in_flight,
+    with_in_flight,
+)
 from cdc_assets.engine.chunks import Chunk, ChunkPlan
-from cdc_assets.engine.faults import fault_point
+from cdc_assets.engine.faults import fault_point, size_fault
 from cdc_assets.engine.lsn import format_lsn
 from cdc_assets.engine.pg_values import PgColumn, arrow_schema, copy_query_to_arrow, spark_schema
 from cdc_assets.engine.windows import RECONCILED, STAGED, ChunkWindow, closable, open_windows
@@ -52,15 +62,140 @@ from cdc_assets.lake.mirror import (
     fill_unknown,
     reconcile,
 )
+from cdc_assets.lake.spark import DRIVER_MEMORY, default_driver_memory, session_conf
 from cdc_assets.postgres import catalog, snapshot, stream
 from cdc_assets.postgres.catalog import CapturedTable
 from cdc_assets.postgres.connection import SourceError, connect
-from cdc_assets.source import SnapshotReport, StreamReport
+from cdc_assets.source import SnapshotReport, SourceLag, StreamReport
 
 if TYPE_CHECKING:
     from cdc_assets.lake.consistency import ChunkCheck
 
 USER_METADATA = "spark.databricks.delta.commitInfo.userMetadata"
+BOUNDS_FILE = "stream_bounds.json"
+# Spark's join planner estimates a frame's size from its Parquet files, compressed: a batch of big, compressible
+# values looks small and is broadcast (built whole in the driver's heap: "Not enough memory to build and broadcast
+# the table"), and so is a small-looking mirror of big values that unchanged TOAST values are looked up in
+AUTO_BROADCAST = "spark.sql.autoBroadcastJoinThreshold"
+MAX_PARTITION_BYTES = "spark.sql.files.maxPartitionBytes"
+MERGE_SOURCE_LEVEL = "spark.databricks.delta.merge.materializeSource.rddStorageLevel"
+
+
+PARQUET_BLOCK_SIZE = "parquet.block.size"  # Hadoop conf: the session's SQL conf is copied into each write's
+# parquet-mr measures a row group's buffered size compressed: a row group of big, compressible values is many times
+# that size when read (Spark's vectorized reader decodes a batch of a row group's rows whole: 60 values of 10 MB in
+# one 128 MB row group needed 630 MB at once). Rows of big values are written in row groups of this many compressed
+# bytes per spill_bytes (2 MB at 32 MB: 3 rows of 10 MB values that compress 20 times)
+BIG_ROW_GROUP_SHARE = 16
+
+
+def big_batch_conf(bytes_: int, rows: int, looks_up_mirror: bool, spill_bytes: int) -> dict[str, str]:
+    """Session settings for one table's part of a batch (or its staged rows being reconciled), ``bytes_`` of
+    changes (or staged rows) in ``rows`` rows:
+    - more bytes than one spill part: no automatic broadcast joins, input partitions of at most ``spill_bytes``,
+      the MERGE's materialized source on disk;
+    - rows of big values (on average at least ``spill_bytes / 1024`` bytes): Parquet row groups of
+      ``spill_bytes / BIG_ROW_GROUP_SHARE`` compressed bytes in the files written (mirror, changelog), so whoever
+      reads them later holds one small row group at a time;
+    - ``looks_up_mirror`` (unchanged TOAST values, which only big values have, are looked up in the mirror): no
+      automatic broadcast joins, the mirror side may hold big values.
+    A small batch of small rows keeps Spark's defaults (broadcasting a small batch spares a big mirror's shuffle)."""
+    conf: dict[str, str] = {}
+    if bytes_ > spill_bytes or looks_up_mirror:
+        conf[AUTO_BROADCAST] = "-1"
+    if bytes_ > spill_bytes:
+        conf[MAX_PARTITION_BYTES] = str(spill_bytes)
+        conf[MERGE_SOURCE_LEVEL] = "DISK_ONLY"
+    if rows and bytes_ / rows >= spill_bytes / 1024:
+        conf[PARQUET_BLOCK_SIZE] = str(max(spill_bytes // BIG_ROW_GROUP_SHARE, 64 * 1024))
+    return conf
+
+
+class StreamBatchError(RuntimeError):
+    """A stream batch failed; the message names the phase, what the batch held, the cause and what to change."""
+
+
+@dataclass
+class _BatchProgress:
+    """What a batch got to before it failed."""
+
+    phase: str = "read"
+    table: str | None = None
+    changes: int | None = None
+    bytes: int | None = None
+    transactions: int | None = None
+    cut: bool = False  # a bound cut the batch: more was waiting
+
+
+JVM_GONE = ("Answer from Java side is empty", "Connection refused", "Error while sending or receiving",
+            "Connection reset", "Broken pipe", "Py4JNetworkError")  # fmt: skip
+
+
+def failure_cause(error: BaseException) -> str:
+    """The cause of a failed batch in one sentence: heap exhaustion and a dead JVM named as such (py4j's own error
+    after the JVM died says only "Connection refused"), else the error's type and first line."""
+    chain: list[BaseException] = []
+    seen: BaseException | None = error
+    while seen is not None and seen not in chain and len(chain) < 10:
+        chain.append(seen)
+        seen = seen.__cause__ or seen.__context__
+    texts = [f"{type(e).__name__}: {e}" for e in chain]
+    if any("OutOfMemoryError" in t for t in texts):
+        return "the Spark driver's JVM ran out of heap (java.lang.OutOfMemoryError)"
+    if any("Not enough memory to build and broadcast" in t for t in texts):
+        return "the Spark driver had not enough heap to broadcast a join side"
+    if any(isinstance(e, ConnectionError) or any(m in f"{type(e).__name__}: {e}" for m in JVM_GONE) for e in chain):
+        return (
+            "the Spark driver's JVM died or stopped answering (py4j: connection refused); most likely it ran out of "
+            "heap or was killed (the step's stderr has the JVM's last words)"
+        )
+    first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    return f"{type(error).__name__}: {first[:1500]}"
+
+
+def _size(count: int) -> str:
+    for unit in ("bytes", "KB", "MB", "GB"):
+        if count < 1024 or unit == "GB":
+            return f"{count} {unit}" if unit == "bytes" else f"{count:.1f} {unit}"
+        count /= 1024
+    return f"{count} bytes"
+
+
+def describe_failure(
+    source: str, progress: _BatchProgress, bounds: BatchBounds, shrunk: BatchBounds, cause: str, driver_memory: str
+) -> str:
+    where = progress.phase + (f" of table {progress.table}" if progress.table else "")
+    if progress.changes is None:
+        limits = f"{bounds.max_changes} changes, {_size(bounds.max_bytes)}"
+        held = f"the batch was being read from the slot (bounds: {limits})"
+    else:
+        held = (
+            f"the batch held {progress.changes} changes in {progress.transactions} transactions, "
+            f"{_size(progress.bytes or 0)} of change messages (bounds: {bounds.max_changes} changes, "
+            f"{_size(bounds.max_bytes)})"
+        )
+    single = progress.transactions == 1 or (bounds.max_changes == 1 and bounds.max_bytes == 1)
+    if single:
+        advice = (
+            f"It is a single transaction and cannot be split: raise spark.driver.memory (now {driver_memory}) under "
+            "spark.conf in cdc.yaml."
+        )
+    else:
+        advice = (
+            f"The next attempt reads a smaller batch (at most {shrunk.max_changes} changes, "
+            f"{_size(shrunk.max_bytes)}; halved after each failure down to one transaction, grown back after "
+            f"successes). If batches keep failing, raise spark.driver.memory (now {driver_memory}) under spark.conf "
+            f"in cdc.yaml, or lower stream.max_batch_bytes / stream.max_changes of source {source!r}."
+        )
+    return f"stream batch of source {source!r} failed in phase {where}: {cause}; {held}. {advice}"
+
+
+def _quietly(action) -> None:
+    """Clean-up that must not replace the error in flight (after the JVM died, every call to it fails)."""
+    try:
+        action()
+    except Exception:  # the batch's own error (or success) is what counts
+        pass
 
 
 def _commit_positions(path) -> dict[int, int]:
@@ -207,10 +342,76 @@ class PostgresPipeline:
 
     # -- streaming -------------------------------------------------------------------------------------------
     def stream_batch(self, spark: SparkSession, recorded_lsn: int | None, run_id: str) -> StreamReport:
+        """One batch (see module docstring). Its bounds are the configured ones shrunk after failed batches
+        (``cdc_assets.engine.batch_bounds``, stored in ``_cdc/stream_bounds.json``); a failure raises
+        ``StreamBatchError`` naming the phase, what the batch held and the setting to change, after halving the
+        bounds for the next attempt."""
         started = time.monotonic()
-        tables = self.tables
         batch_id = f"{run_id}-{uuid.uuid4().hex[:8]}"
         spill_dir = self.lake.spill_dir(batch_id)
+        configured = self.configured_bounds()
+        bounds = self.batch_bounds()
+        if bounds.in_flight is not None:  # the previous batch's process died while it wrote the lake
+            bounds = recover_in_flight(bounds)
+        self._store_bounds(with_in_flight(bounds, bounds.max_changes, bounds.max_bytes))
+        progress = _BatchProgress()
+        try:
+            report = self._stream_batch(spark, recorded_lsn, batch_id, spill_dir, bounds, progress, started)
+        except BaseException as error:
+            if not isinstance(error, Exception):  # KeyboardInterrupt, SystemExit: not the batch's fault
+                raise
+            cause = failure_cause(error)
+            shrunk = after_failure(bounds, progress.changes, progress.bytes, cause)
+            self._store_bounds(shrunk)
+            raise StreamBatchError(
+                describe_failure(self.source.name, progress, bounds, shrunk, cause, self.driver_memory())
+            ) from error
+        restored = after_success(bounds, configured, progress.cut)
+        self._store_bounds(restored)
+        report.bounds = {
+            "max_changes": bounds.max_changes,
+            "max_bytes": bounds.max_bytes,
+            "shrunk": bounds.shrunk(configured),
+            "failures": bounds.failures,
+            "next_max_changes": restored.max_changes,
+            "next_max_bytes": restored.max_bytes,
+        }
+        if bounds.shrunk(configured):
+            report.bounds["reason"] = bounds.reason or ""
+        return report
+
+    def driver_memory(self) -> str:
+        """The driver heap this process's Spark driver starts with (``cdc.yaml``'s ``spark.conf`` or the default)."""
+        return self.config.spark.conf.get(DRIVER_MEMORY) or default_driver_memory()
+
+    def configured_bounds(self) -> BatchBounds:
+        return BatchBounds(self.source.stream.max_changes, self.source.stream.max_batch_bytes)
+
+    @property
+    def bounds_path(self) -> Path:
+        return self.lake.control / BOUNDS_FILE
+
+    def batch_bounds(self) -> BatchBounds:
+        """The bounds the next batch reads with (the configured ones unless failed batches shrank them)."""
+        configured = self.configured_bounds()
+        try:
+            data = json.loads(self.bounds_path.read_text())
+        except (FileNotFoundError, ValueError):
+            return configured
+        return BatchBounds.from_json(data if isinstance(data, dict) else {}, configured)
+
+    def _store_bounds(self, bounds: BatchBounds) -> None:
+        path = self.bounds_path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        temporary = path.with_name(f".{path.name}.{uuid.uuid4().hex}")
+        temporary.write_text(json.dumps(bounds.to_json()))
+        os.replace(temporary, path)
+
+    def _stream_batch(
+        self, spark: SparkSession, recorded_lsn: int | None, batch_id: str, spill_dir: Path, bounds: BatchBounds,
+        progress: _BatchProgress, started: float,
+    ) -> StreamReport:  # fmt: skip
+        tables = self.tables
         settings = self.source.stream
         with self.connect() as conn:
             confirmed, _ = stream.slot_position(conn, self.source.slot)
@@ -218,10 +419,13 @@ class PostgresPipeline:
                 # the offset was recorded but the slot did not follow yet (or change_offset moved it): follow now
                 stream.advance_slot(conn, self.source.slot, recorded_lsn)
             batch = stream.read_batch(
-                conn, self.source.slot, self.source.publication, tables, spill_dir, settings.max_changes,
-                settings.spill_rows,
+                conn, self.source.slot, self.source.publication, tables, spill_dir, bounds.max_changes,
+                settings.spill_rows, bounds.max_bytes, settings.spill_bytes,
             )  # fmt: skip
             server_flush = stream.current_flush_lsn(conn)
+        progress.changes, progress.bytes, progress.transactions = batch.changes, batch.bytes, batch.transactions
+        progress.cut = batch.cut_by_change_limit
+        self._store_bounds(with_in_flight(bounds, batch.changes, batch.bytes))
         phases = {"read": time.monotonic() - started}
         offset: dict[str, object] = {
             "lsn": format_lsn(batch.applied_lsn),
@@ -232,9 +436,11 @@ class PostgresPipeline:
             "slot": self.source.slot,
             "publication": self.source.publication,
         }
-        spark.conf.set(USER_METADATA, json.dumps({"source": self.source.name, "batch": batch_id, **offset}))
         per_table: dict[str, dict[str, int]] = {}
         try:
+            progress.phase = "changelog"
+            size_fault("stream.batch_over", batch.changes)
+            spark.conf.set(USER_METADATA, json.dumps({"source": self.source.name, "batch": batch_id, **offset}))
             transactions = spark.read.parquet(str(batch.transactions_path)) if batch.transactions_path else None
             positions = _commit_positions(batch.transactions_path)
             for name, spill in sorted(batch.spills.items()):
@@ -242,38 +448,45 @@ class PostgresPipeline:
                     continue
                 table = tables[name]
                 paths = self.lake.table(name)
-                changes = (
-                    spark.read.option("mergeSchema", "true")
-                    .parquet(*[str(p) for p in spill.parts])
-                    .join(F.broadcast(transactions), "_cdc_commit_lsn")
-                    .cache()
-                )
-                try:
-                    columns = self._columns(table, spill.added_columns)
-                    mark = time.monotonic()
-                    append_changelog(spark, paths.changelog, changes)
-                    phases["changelog"] = phases.get("changelog", 0.0) + time.monotonic() - mark
-                    fault_point("stream.after_changelog")
-                    mark = time.monotonic()
-                    truncate = max(((positions[c], q) for c, q in spill.truncations), default=None)
-                    unknown = apply_changes(
-                        spark, paths.mirror, changes, columns, table.key_columns, set(spill.unchanged_columns), truncate
+                progress.table = name
+                big = spill.bytes > settings.spill_bytes
+                conf = big_batch_conf(spill.bytes, spill.changes, bool(spill.unchanged_columns), settings.spill_bytes)
+                with session_conf(spark, conf):
+                    changes = (
+                        spark.read.option("mergeSchema", "true")
+                        .parquet(*[str(p) for p in spill.parts])
+                        .join(F.broadcast(transactions), "_cdc_commit_lsn")
                     )
-                    if unknown:
-                        self._fill_unknown(spark, table, columns, paths.mirror, unknown)
-                    phases["merge"] = phases.get("merge", 0.0) + time.monotonic() - mark
-                finally:
-                    changes.unpersist()
+                    # big values: kept on the local disk, not in the heap (the default level keeps what fits)
+                    changes = changes.persist(StorageLevel.DISK_ONLY) if big else changes.cache()
+                    try:
+                        columns = self._columns(table, spill.added_columns)
+                        progress.phase, mark = "changelog", time.monotonic()
+                        append_changelog(spark, paths.changelog, changes)
+                        phases["changelog"] = phases.get("changelog", 0.0) + time.monotonic() - mark
+                        fault_point("stream.after_changelog")
+                        progress.phase, mark = "merge", time.monotonic()
+                        truncate = max(((positions[c], q) for c, q in spill.truncations), default=None)
+                        unknown = apply_changes(
+                            spark, paths.mirror, changes, columns, table.key_columns, set(spill.unchanged_columns),
+                            truncate,
+                        )  # fmt: skip
+                        if unknown:
+                            self._fill_unknown(spark, table, columns, paths.mirror, unknown)
+                        phases["merge"] = phases.get("merge", 0.0) + time.monotonic() - mark
+                    finally:
+                        _quietly(changes.unpersist)  # the JVM may be gone: keep the batch's own error
                 per_table[name] = {
-                    "changes": spill.changes, "spill_parts": len(spill.parts),
+                    "changes": spill.changes, "bytes": spill.bytes, "spill_parts": len(spill.parts),
                     "truncates": len(spill.truncations),
                 }  # fmt: skip
+            progress.phase, progress.table = "reconcile", None
             mark = time.monotonic()
             reconciled, waiting = self._reconcile_closed(spark, batch.applied_lsn)
             phases["reconcile"] = time.monotonic() - mark
             fault_point("stream.after_lake_commit")
         finally:
-            spark.conf.unset(USER_METADATA)
+            _quietly(lambda: spark.conf.unset(USER_METADATA))
             shutil.rmtree(spill_dir, ignore_errors=True)
         lag_seconds = None
         if batch.last_commit_ts is not None:
@@ -290,6 +503,7 @@ class PostgresPipeline:
             per_table=per_table,
             phase_seconds={k: round(v, 3) for k, v in phases.items()},
             skipped_tables={t.qualified_name: f"{t.reason}; fix: {t.fix}" for t in self.skipped_tables},
+            bytes=batch.bytes,
         )
 
     def _fill_unknown(
@@ -329,10 +543,14 @@ class PostgresPipeline:
             plan = self.plan(table)
             chunks: dict[int, Chunk] = {c.index: c for c in plan.chunks}
             paths = self.lake.table(name)
-            results = reconcile(
-                spark, paths.mirror, paths.changelog, paths.staging, list(table.columns), table.key_columns,
-                windows, chunks,
-            )  # fmt: skip
+            # staged rows of big values look small to Spark's join planner (compressed files): no broadcast then
+            staged_bytes = staging.staged_bytes(paths.staging, (w.attempt for w in windows))
+            staged_rows = sum(w.rows for w in windows)
+            with session_conf(spark, big_batch_conf(staged_bytes, staged_rows, False, self.source.stream.spill_bytes)):
+                results = reconcile(
+                    spark, paths.mirror, paths.changelog, paths.staging, list(table.columns), table.key_columns,
+                    windows, chunks,
+                )  # fmt: skip
             counts = {(r.table, r.chunk): (r.kept, r.dropped, r.deleted) for r in results}
             window_log.record(spark, self.lake.windows, RECONCILED, windows, counts)
             for r in results:
@@ -374,19 +592,34 @@ class PostgresPipeline:
         return check_chunks(self, spark, table, indexes, wait_seconds)
 
     # -- slot ------------------------------------------------------------------------------------------------
-    def pending_work(self) -> str | None:
+    def lag(self) -> SourceLag:
+        """The slot's lag: bytes from its confirmed position to the server's flush LSN, and seconds since the oldest
+        transaction it holds for the publication committed (decodes up to one transaction)."""
+        with self.connect() as conn:
+            flush = stream.current_flush_lsn(conn)
+            confirmed, _ = stream.slot_position(conn, self.source.slot)
+            oldest = stream.oldest_pending_commit(conn, self.source.slot, self.source.publication)
+        seconds = 0.0 if oldest is None else max(0.0, (datetime.now(UTC) - oldest).total_seconds())
+        return SourceLag(max(0, flush - confirmed), seconds, oldest is not None)
+
+    def pending_work(self, lag: SourceLag | None = None) -> str | None:
         """Why a stream batch is due now, or None: the slot holds a change for the publication, the slot lags the
         server by more than ``max_lag_bytes`` (advance it so the server can recycle WAL while the captured tables are
         idle and others are busy), or a staged chunk's high watermark is at or below the server's flush LSN (its
         window can close), or a consistency check waits for the stream to pass its high watermark. Reads no Delta table
-        (the waiting markers are plain files): cheap enough for a sensor."""
+        (the waiting markers are plain files): cheap enough for a sensor. ``lag``: one the caller just took."""
         with self.connect() as conn:
             flush = stream.current_flush_lsn(conn)
-            confirmed, _ = stream.slot_position(conn, self.source.slot)
-            if stream.has_pending_changes(conn, self.source.slot, self.source.publication):
-                return "changes waiting in the slot"
-        if flush - confirmed > self.source.stream.max_lag_bytes:
-            return f"slot lags the server by {flush - confirmed} bytes"
+            if lag is None:
+                confirmed, _ = stream.slot_position(conn, self.source.slot)
+                waiting = stream.has_pending_changes(conn, self.source.slot, self.source.publication)
+                lag_bytes = flush - confirmed
+            else:
+                waiting, lag_bytes = lag.changes_waiting, lag.lag_bytes
+        if waiting:
+            return "changes waiting in the slot"
+        if lag_bytes > self.source.stream.max_lag_bytes:
+            return f"slot lags the server by {lag_bytes} bytes"
         if any(hw <= flush for hw in self.lake.waiting_markers().values()):
             return "a chunk window can close"
         if any(hw <= flush for hw in self.lake.check_markers()):

@@ -2,7 +2,12 @@
 
 Contract: ``spark_session(config)`` returns the process's Spark session (created once, then reused), configured for
 Delta (SQL extension, catalog), the UTC session time zone (the codec's timestamps are UTC instants), Arrow
-transfers, and the user's ``spark.conf``. ``remote`` connects to a Spark Connect server instead of starting a
+transfers, and the user's ``spark.conf``. A local driver's heap (``spark.driver.memory``; local mode: the driver is
+the executor, so this heap bounds every task) defaults to ``default_driver_memory()``: a quarter of the machine's
+memory (or of the container's limit, cgroup v1 or v2), at least 1g, at most 16g; ``spark.conf`` in ``cdc.yaml``
+overrides it. Parquet writers check their buffered size from the first row on (``parquet.page.size.row.check.min``
+= 1; parquet-mr's default 100 rows buffers 100 values before it looks, 1 GB of 10 MB values), so a row group or
+page of big values is cut by bytes. ``remote`` connects to a Spark Connect server instead of starting a
 driver. A local driver loads the Delta jars that ``scripts/setup.sh`` fetched with Maven into ``.jars/`` (or the
 folder named by ``CDC_JARS_DIR``); Python workers run the driver's interpreter unless ``PYSPARK_PYTHON`` says
 otherwise. ``session_conf(spark, settings)`` sets ``settings`` in the session's conf for the duration of a block,
@@ -41,7 +46,33 @@ BASE_CONF: dict[str, str] = {
     # (bench.stream, 50k-row mirror, 10 batches of 8k changes: 71.3 s with 100 entries, 54-58 s with 2000)
     "spark.sql.codegen.cache.maxEntries": "2000",
     "spark.driver.extraJavaOptions": f"{DERBY_OPTION} -XX:+UseParallelGC",
+    # Parquet writers (the changelog, the mirror) cut pages and row groups by bytes from the first row on
+    "spark.hadoop.parquet.page.size.row.check.min": "1",
 }
+DRIVER_MEMORY = "spark.driver.memory"
+DRIVER_MEMORY_FLOOR_MB = 1024
+DRIVER_MEMORY_CAP_MB = 16 * 1024
+
+
+def machine_memory_bytes() -> int:
+    """Physical memory, or the container's memory limit when it is lower (cgroup v2 ``memory.max``, v1
+    ``memory.limit_in_bytes``)."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    for limit_file in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            text = Path(limit_file).read_text().strip()
+        except OSError:
+            continue
+        if text.isdigit():
+            total = min(total, int(text))
+    return total
+
+
+def default_driver_memory(total_bytes: int | None = None) -> str:
+    """A quarter of ``total_bytes`` (default: ``machine_memory_bytes()``), at least 1g, at most 16g, in megabytes."""
+    total = machine_memory_bytes() if total_bytes is None else total_bytes
+    megabytes = min(max(total // 4 // 2**20, DRIVER_MEMORY_FLOOR_MB), DRIVER_MEMORY_CAP_MB)
+    return f"{megabytes}m"
 
 
 def delta_jars() -> list[str]:
@@ -61,7 +92,7 @@ def spark_session(config: SparkConfig) -> SparkSession:
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
     builder = SparkSession.builder.master(config.master).appName("cdc-lake")
-    conf = {**BASE_CONF, "spark.jars": ",".join(delta_jars()), **config.conf}
+    conf = {**BASE_CONF, DRIVER_MEMORY: default_driver_memory(), "spark.jars": ",".join(delta_jars()), **config.conf}
     for key, value in conf.items():
         builder = builder.config(key, value)
     session = builder.getOrCreate()

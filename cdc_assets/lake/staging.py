@@ -10,6 +10,7 @@ Contract (``<table>/staged/_cdc_attempt=<attempt>/chunk-<n>-part-<k>.parquet``):
   Any table the codec makes is writable (a NULL list that spans values is rebuilt first).
 - ``staged_row_counts(folder, attempts)``: rows per (attempt, chunk), summed from the files' footers in the
   calling process (no Spark job).
+- ``staged_bytes(folder, attempts)``: the uncompressed bytes of the attempts' rows, from the files' footers.
 - ``read_staged(spark, folder, attempts, columns)``: the rows of ``attempts`` as one frame, with ``_cdc_attempt``
   (a string) from the folder name as a partition column. The attempts' schemas are merged: an attempt read before
   a column was added has NULL in it. When none of the attempts has a file, an empty frame of ``columns`` (the
@@ -127,6 +128,15 @@ def staged_row_counts(folder: str | os.PathLike[str], attempts: Iterable[str]) -
         for chunk, path in _part_files(_attempt_folder(folder, attempt)):
             counts[(attempt, chunk)] = counts.get((attempt, chunk), 0) + pq.read_metadata(path).num_rows
     return counts
+
+
+def staged_bytes(folder: str | os.PathLike[str], attempts: Iterable[str]) -> int:
+    total = 0
+    for attempt in sorted(set(attempts)):
+        for _, path in _part_files(_attempt_folder(folder, attempt)):
+            metadata = pq.read_metadata(path)
+            total += sum(metadata.row_group(i).total_byte_size for i in range(metadata.num_row_groups))
+    return total
 
 
 def read_staged(

@@ -2,17 +2,24 @@
 
 Contract:
 - ``read_batch`` peeks (never consumes) the slot with ``pg_logical_slot_peek_binary_changes`` over a server-side
-  cursor, bounded by ``upto_lsn`` = the server's flush LSN taken first and by ``upto_nchanges`` (which stops only at
-  a transaction boundary), decodes pgoutput, and writes every change of a captured table to Parquet files under
-  ``spill_dir/<table>/`` in parts of at most ``spill_rows`` rows, so driver memory stays bounded whatever the size
-  of one transaction. A row change is kept as its message until its part is written, then the part's messages are
+  cursor, bounded by ``upto_lsn`` = the server's flush LSN taken first, by ``upto_nchanges`` (which stops only at
+  a transaction boundary) and by ``max_bytes``: after the first commit at which the captured tables' change
+  messages of the batch reach ``max_bytes``, it stops reading (also a transaction boundary; a single transaction
+  larger than the bound is read whole, spilled). It decodes pgoutput, and writes every change of a captured table
+  to Parquet files under ``spill_dir/<table>/`` in parts of at most ``spill_rows`` rows and about ``spill_bytes``
+  bytes of messages (a message larger than that is a part of its own); each part is one Parquet row group, so a
+  reader of a part holds at most one part. Driver memory stays bounded whatever the size of one transaction or one
+  value (a value is held whole, a few times over while it is decoded). Rows are fetched from the cursor in
+  numbers that keep one fetch at about ``spill_bytes / 4`` at the message sizes seen so far (doubling from one
+  row). A row change is kept as its message until its part is written, then the part's messages are
   decoded together, column by column (``cdc_assets.engine.row_images``). Values are decoded with the same codec as
   the snapshot path.
 - Each spilled change carries ``_cdc_commit_lsn`` (the commit record's start, known at Begin) and ``_cdc_seq`` (order
   within its transaction); ``spill_dir/transactions.parquet`` maps each commit to its ``end_lsn`` (the change's
   ``_cdc_position``), 64-bit xid and commit time.
 - ``applied_lsn`` of the result: every transaction whose commit record ends at or before it is in this batch or in
-  an earlier one. It is the flush LSN when the batch was not cut by ``upto_nchanges``, else the last commit's end.
+  an earlier one. It is the flush LSN when the batch was not cut by ``upto_nchanges`` or ``max_bytes``, else the
+  last commit's end. ``bytes`` of the result: the captured tables' change messages it holds.
 - Partitions: a change pgoutput reports under a leaf partition's name (a publication without
   ``publish_via_partition_root``) belongs to the captured root table (``pg_partition_root`` of the relation's oid,
   looked up once per relation and batch; a partition attached while streaming is found the same way). A
@@ -26,6 +33,7 @@ Contract:
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -65,6 +73,8 @@ class TableSpill:
     unchanged_columns: set[str] = field(default_factory=set)
     truncations: list[tuple[int, int]] = field(default_factory=list)  # (commit_lsn, seq), the whole batch
     changes: int = 0
+    bytes: int = 0  # the messages of its row changes, the whole batch
+    pending_bytes: int = 0  # the messages not flushed yet
     added_columns: list[PgColumn] = field(default_factory=list)
 
     @property
@@ -111,9 +121,11 @@ class TableSpill:
         )
         self.directory.mkdir(parents=True, exist_ok=True)
         path = self.directory / f"part-{len(self.parts):05d}.parquet"
-        pq.write_table(part, path)
+        # one row group: a reader (Spark's Parquet reader) holds one part's bytes at most, never more
+        pq.write_table(part, path, row_group_size=max(1, part.num_rows))
         self.parts.append(path)
         self.messages, self.positions, self.truncate_positions = [], [], []
+        self.pending_bytes = 0
 
 
 def _name_lists(names: list[str], marked: np.ndarray) -> pa.ListArray:
@@ -143,6 +155,8 @@ class Batch:
     last_commit_ts: datetime | None
     spills: dict[str, TableSpill]
     transactions_path: Path | None
+    bytes: int = 0
+    cut_by_byte_limit: bool = False
 
 
 def current_flush_lsn(conn: psycopg.Connection) -> int:
@@ -177,6 +191,21 @@ def has_pending_changes(conn: psycopg.Connection, slot: str, publication: str) -
     return row is not None
 
 
+def oldest_pending_commit(conn: psycopg.Connection, slot: str, publication: str) -> datetime | None:
+    """The commit time of the oldest transaction the slot holds for the publication, None when it holds none
+    (decodes up to one transaction: its first message is its Begin)."""
+    row = conn.execute(
+        "select data from pg_logical_slot_peek_binary_changes(%s, null, 1, 'proto_version', '1', "
+        "'publication_names', %s) limit 1",
+        [slot, publication],
+        binary=True,
+    ).fetchone()
+    if row is None:
+        return None
+    message = PgOutputDecoder().decode(row[0])
+    return message.commit_ts if isinstance(message, Begin) else None
+
+
 def read_batch(
     conn: psycopg.Connection,
     slot: str,
@@ -185,6 +214,8 @@ def read_batch(
     spill_dir: Path,
     max_changes: int,
     spill_rows: int,
+    max_bytes: int | None = None,
+    spill_bytes: int = 32 << 20,
 ) -> Batch:
     """Read one bounded batch (see module docstring)."""
     start_lsn, _ = slot_position(conn, slot)
@@ -196,18 +227,19 @@ def read_batch(
     seq = itertools.count()
     rows_read = 0
     changes = 0
+    batch_bytes = 0
+    cut_by_bytes = False
     current_xid = 0
     relation_columns: dict[int, list[PgColumn]] = {}
     roots: dict[int, str | None] = {}  # relation oid -> captured table it belongs to (itself or its partition root)
     # binary: the messages arrive as they are, not hex-encoded by the server and decoded again here
     with conn.transaction(), conn.cursor(name="cdc_peek", binary=True) as cursor:
-        cursor.itersize = 5000
         cursor.execute(
             "select data from pg_logical_slot_peek_binary_changes(%s, %s::pg_lsn, %s, "
             "'proto_version', '1', 'publication_names', %s)",
             [slot, format_lsn(flush_lsn), max_changes, publication],
         )
-        for (data,) in cursor:
+        for data in _fetched_messages(cursor, max(1, spill_bytes // 4)):
             rows_read += 1
             if data[0] in ROW_CHANGE_TYPES:  # kept as they are and decoded column-wise when flushed
                 begin = decoder.transaction()
@@ -218,7 +250,10 @@ def read_batch(
                 spill.changes += 1
                 spill.messages.append(data)
                 spill.positions.append((begin.final_lsn, next(seq)))
-                if spill.pending >= spill_rows:
+                spill.bytes += len(data)
+                spill.pending_bytes += len(data)
+                batch_bytes += len(data)
+                if spill.pending >= spill_rows or spill.pending_bytes >= spill_bytes:
                     spill.flush()
                 continue
             message = decoder.decode(data)
@@ -227,6 +262,9 @@ def read_batch(
                 seq = itertools.count()  # order within the transaction: (commit lsn, seq) is unique and stable
             elif isinstance(message, Commit):
                 transactions.append((message.commit_lsn, message.end_lsn, current_xid, message.commit_ts))
+                if max_bytes is not None and batch_bytes >= max_bytes:
+                    cut_by_bytes = True  # a transaction boundary: the rest waits for the next batch
+                    break
             elif isinstance(message, Truncate):
                 for relation in _truncated(message.relations, tables, conn, roots):
                     spill = _spill_for(relation, tables, spills, spill_dir, relation_columns, conn, roots)
@@ -240,7 +278,7 @@ def read_batch(
                 relation_columns.pop(message.relation_id, None)
     for spill in spills.values():
         spill.flush()
-    cut = rows_read >= max_changes
+    cut = rows_read >= max_changes or cut_by_bytes
     last = transactions[-1] if transactions else None
     applied = last[1] if cut and last else max(flush_lsn, start_lsn)
     transactions_path = None
@@ -272,7 +310,28 @@ def read_batch(
         last_commit_ts=last[3] if last else None,
         spills=spills,
         transactions_path=transactions_path,
+        bytes=batch_bytes,
+        cut_by_byte_limit=cut_by_bytes,
     )
+
+
+FETCH_ROWS_MAX = 5000
+
+
+def _fetched_messages(cursor: psycopg.ServerCursor, fetch_bytes: int) -> Iterator[bytes]:
+    """The cursor's messages, fetched in numbers that keep one fetch at about ``fetch_bytes`` at the largest message
+    size of the previous fetch: from one row, at most doubling per fetch, up to ``FETCH_ROWS_MAX`` rows."""
+    rows = 1
+    while True:
+        fetched = cursor.fetchmany(rows)
+        if not fetched:
+            return
+        largest = 1
+        for (data,) in fetched:
+            largest = max(largest, len(data))
+            yield data
+        del fetched
+        rows = max(1, min(2 * rows, FETCH_ROWS_MAX, fetch_bytes // largest))
 
 
 def _spill_for(

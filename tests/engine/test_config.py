@@ -98,3 +98,14 @@ def test_chunks_per_window_of_a_range_check() -> None:
         with pytest.raises(ConfigError, match=r"sources\[0\]\.checks\.chunks_per_window: expected a positive "
                                               r"integer, got "):  # fmt: skip
             parse(with_checks({"chunks_per_window": bad}))
+
+
+def test_stream_byte_bounds_and_lag_alerts_are_read_and_validated() -> None:
+    stream = {"max_batch_bytes": 1024, "spill_bytes": 512, "max_lag_alert_bytes": 10, "max_lag_alert_seconds": 60}
+    config = parse({**BASE, "sources": [{**BASE["sources"][0], "stream": stream}]})
+    settings = config.source("demo").stream
+    assert (settings.max_batch_bytes, settings.spill_bytes) == (1024, 512)
+    assert (settings.max_lag_alert_bytes, settings.max_lag_alert_seconds) == (10, 60)
+    bad = {**BASE, "sources": [{**BASE["sources"][0], "stream": {"max_batch_bytes": 0}}]}
+    with pytest.raises(ConfigError, match=r"stream\.max_batch_bytes: expected a positive integer, got 0"):
+        parse(bad)

@@ -14,6 +14,7 @@ from pathlib import Path
 import psycopg
 import pytest
 from dagster import (
+    AssetCheckKey,
     AssetKey,
     DagsterInstance,
     DagsterRunStatus,
@@ -22,6 +23,7 @@ from dagster import (
     instance_for_test,
     materialize,
 )
+from dagster._core.storage.asset_check_execution_record import AssetCheckExecutionRecordStatus
 
 from cdc_assets.assets import recorded_offset, stream_asset_key
 from cdc_assets.build import build_definitions
@@ -81,7 +83,7 @@ def test_definitions_build_with_tables_sensors_and_jobs(config_path) -> None:
     check_keys = {key for checks in defs.asset_checks for key in checks.check_keys}
     assert {(k.asset_key, k.name) for k in check_keys} == {
         (AssetKey(["defs", "public", name]), "chunk_matches_source") for name in tables
-    }
+    } | {(stream_asset_key("defs"), "lag_within_bound")}
 
 
 def test_dagster_cli_validates_the_code_location(config_path) -> None:
@@ -402,3 +404,74 @@ def test_chunk_check_runs_as_a_dagster_asset_check_and_reports_the_database_side
     assert metadata["chunk"] == partition and metadata["source_rows"] == metadata["mirror_rows"] == rows
     assert metadata["source_checksum"] == metadata["mirror_checksum"] != "0"
     assert result.get_asset_materialization_events() == []  # the check alone ran
+
+
+def stream_config(path: Path, settings: str, name: str) -> Path:
+    """The module's configuration with other ``stream`` settings."""
+    text = path.read_text().replace("stream: {interval_seconds: 5}", f"stream: {{interval_seconds: 5, {settings}}}")
+    assert settings in text
+    changed = path.with_name(name)
+    changed.write_text(text)
+    return changed
+
+
+def test_a_failed_batch_is_retried_smaller_and_the_run_log_says_so(config_path, spark, monkeypatch) -> None:
+    path, admin_dsn = config_path
+    defs = build_definitions(path)
+    stream_asset = next(a for a in defs.assets if stream_asset_key("defs") in a.keys)
+    instance = DagsterInstance.ephemeral()
+    assert materialize([stream_asset], resources=defs.resources, instance=instance).success  # caught up
+    with psycopg.connect(f"{admin_dsn} dbname={DATABASE}", autocommit=True) as admin:
+        admin.execute("set synchronous_commit = on")
+        for i in range(30):  # 30 transactions
+            admin.execute("insert into pairs values (%s, 'shrink', %s, 'z')", [2000 + i, i])
+    monkeypatch.setenv("CDC_FAULTS", "stream.batch_over=20")
+    result = materialize([stream_asset], resources=defs.resources, instance=instance)
+    assert result.success  # the step's retry read a smaller batch
+    messages = [entry.message or "" for entry in instance.all_logs(result.run_id)]
+    errors = []  # the step's failure before its retry (the retry request's cause): the error the UI shows first
+    for entry in instance.all_logs(result.run_id):
+        error = getattr(entry.dagster_event.event_specific_data, "error", None) if entry.dagster_event else None
+        while error is not None:
+            errors.append(error.message)
+            error = error.cause
+    failure = next(m for m in errors if "stream batch of source 'defs' failed" in m)
+    assert failure.startswith("cdc_assets.lake.pipeline.StreamBatchError: stream batch of source 'defs' failed")
+    assert "failed in phase changelog" in failure and "30 changes in 30 transactions" in failure
+    assert "at most 15 changes" in failure and "spark.driver.memory" in failure
+    batches = result.asset_materializations_for_node(stream_asset.node_def.name)
+    # the slot's rows bound it (begin, insert, commit per transaction) and so did the halved bytes
+    assert batches[0].metadata["batch_shrunk"].value is True and 0 < batches[0].metadata["changes"].value <= 15
+    assert any("a SMALLER batch than configured (at most 15 changes" in m for m in messages)
+    monkeypatch.delenv("CDC_FAULTS")
+    assert materialize([stream_asset], resources=defs.resources, instance=instance).success
+
+
+def test_the_stream_sensor_records_lag_and_fails_the_lag_check_while_the_stream_stands_still(config_path) -> None:
+    path, admin_dsn = config_path
+    defs = build_definitions(stream_config(path, "max_lag_alert_seconds: 2", "cdc-lag.yaml"))
+    sensor = defs.get_sensor_def("defs_stream_sensor")
+    instance = DagsterInstance.ephemeral()
+    dsn = f"{admin_dsn} dbname={DATABASE}"
+    ticks = []
+    with psycopg.connect(dsn, autocommit=True) as admin:  # no stream run: the slot stands still, writes go on
+        admin.execute("set synchronous_commit = on")
+        for i in range(2):
+            admin.execute("insert into pairs values (%s, 'lag', %s, 'z')", [3000 + i, i])
+            with build_sensor_context(instance=instance, resources=defs.resources, definitions=defs) as context:
+                result = sensor.evaluate_tick(context)
+            assert result.run_requests  # a run would be requested; none runs
+            for event in result.asset_events:  # what the daemon stores for a sensor's asset events
+                instance.report_runless_asset_event(event)
+            ticks.append(result)
+            time.sleep(3)
+    observations = instance.fetch_observations(stream_asset_key("defs"), limit=10, ascending=True).records
+    lags = [(r.asset_observation.metadata["lag_bytes"].value, r.asset_observation.metadata["lag_seconds"].value)
+            for r in observations]  # fmt: skip
+    assert len(lags) == 2 and lags[1][0] > lags[0][0] and lags[1][1] > lags[0][1] > 0
+    check = AssetCheckKey(stream_asset_key("defs"), "lag_within_bound")
+    history = instance.event_log_storage.get_asset_check_execution_history(check, limit=10)
+    statuses = [record.status for record in history]  # newest first
+    assert statuses[0] == AssetCheckExecutionRecordStatus.FAILED
+    evaluation = history[0].event.dagster_event.event_specific_data
+    assert "max_lag_alert_seconds=2" in (evaluation.description or "")

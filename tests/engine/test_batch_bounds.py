@@ -1,0 +1,60 @@
+"""The stream's batch bounds: halved after a failure down to one transaction, grown back after successes."""
+
+from __future__ import annotations
+
+from cdc_assets.engine.batch_bounds import (
+    BatchBounds,
+    after_failure,
+    after_success,
+    recover_in_flight,
+    with_in_flight,
+)
+
+CONFIGURED = BatchBounds(max_changes=500_000, max_bytes=256 << 20)
+
+
+def test_a_failure_halves_what_the_failed_batch_held() -> None:
+    shrunk = after_failure(CONFIGURED, changes=1000, bytes_=100 << 20, reason="heap")
+    assert (shrunk.max_changes, shrunk.max_bytes, shrunk.failures, shrunk.reason) == (500, 50 << 20, 1, "heap")
+
+
+def test_a_failure_of_a_batch_larger_than_its_bounds_halves_the_bounds() -> None:
+    # one transaction larger than both bounds (read whole): the bounds halve, not what it held
+    shrunk = after_failure(CONFIGURED, changes=2_000_000, bytes_=4 << 30, reason="heap")
+    assert (shrunk.max_changes, shrunk.max_bytes) == (250_000, 128 << 20)
+
+
+def test_repeated_failures_end_at_one_transaction_and_stay_there() -> None:
+    bounds = CONFIGURED
+    for attempt in range(40):
+        bounds = after_failure(bounds, None, None, f"attempt {attempt}")
+    assert (bounds.max_changes, bounds.max_bytes, bounds.failures) == (1, 1, 40)
+    assert after_failure(bounds, 5, 10 << 20, "again").max_changes == 1
+
+
+def test_successes_double_the_bounds_back_while_batches_are_cut_and_restore_them_when_not() -> None:
+    bounds = after_failure(after_failure(CONFIGURED, 1000, 1 << 20, "x"), 400, 1 << 19, "x")
+    assert (bounds.max_changes, bounds.max_bytes, bounds.failures) == (200, 1 << 18, 2)
+    grown = after_success(bounds, CONFIGURED, cut=True)
+    assert (grown.max_changes, grown.max_bytes, grown.failures, grown.reason) == (400, 1 << 19, 0, "x")
+    for _ in range(30):
+        grown = after_success(grown, CONFIGURED, cut=True)
+    assert grown == CONFIGURED
+    assert after_success(bounds, CONFIGURED, cut=False) == CONFIGURED  # it read all there was
+
+
+def test_a_batch_in_flight_when_its_process_died_counts_as_failed() -> None:
+    marked = with_in_flight(CONFIGURED, changes=800, bytes_=64 << 20)
+    stored = BatchBounds.from_json(marked.to_json(), CONFIGURED)
+    assert stored.in_flight == {"changes": 800, "bytes": 64 << 20}
+    recovered = recover_in_flight(stored)
+    assert (recovered.max_changes, recovered.max_bytes, recovered.failures) == (400, 32 << 20, 1)
+    assert recovered.in_flight is None and "died" in (recovered.reason or "")
+    assert recover_in_flight(CONFIGURED) == CONFIGURED
+
+
+def test_stored_bounds_never_exceed_the_configured_ones_and_bad_values_fall_back() -> None:
+    lower = BatchBounds(max_changes=1000, max_bytes=1 << 20)
+    assert BatchBounds.from_json(CONFIGURED.to_json(), lower) == lower
+    garbage = {"max_changes": "many", "max_bytes": -3, "failures": None, "reason": 7, "in_flight": []}
+    assert BatchBounds.from_json(garbage, CONFIGURED) == CONFIGURED
