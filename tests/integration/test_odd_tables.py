@@ -24,7 +24,7 @@ from pathlib import Path
 
 import psycopg
 import pytest
-from dagster import AssetKey, DagsterInstance, build_sensor_context
+from dagster import AssetKey, AssetSelection, DagsterInstance, build_sensor_context, materialize
 from psycopg import sql
 
 from cdc_assets.build import build_definitions
@@ -165,6 +165,15 @@ def test_definitions_load_with_every_odd_name_and_report_the_keyless_table(sourc
     assert "table public.nolog is not captured: has no primary key" in again.skip_message
     assert "surrogate_key" in again.skip_message
     assert not again.asset_events  # the check's evaluation is recorded once per reason
+
+    # running the check asks the source again: it fails naming table, reason and fix
+    check = next(c for c in defs.asset_checks if (AssetKey(["odd", "public", "nolog"]), "table_is_captured") in {
+        (k.asset_key, k.name) for k in c.check_keys
+    })  # fmt: skip
+    ran = materialize([nolog, check], selection=AssetSelection.checks(check), resources=defs.resources,
+                      instance=instance, raise_on_error=False)  # fmt: skip
+    (evaluation,) = ran.get_asset_check_evaluations()
+    assert not evaluation.passed and "has no primary key" in (evaluation.description or "")
 
     env = {**os.environ, "CDC_CONFIG": str(path)}
     validated = subprocess.run(
