@@ -98,3 +98,16 @@ def test_chunks_per_window_of_a_range_check() -> None:
         with pytest.raises(ConfigError, match=r"sources\[0\]\.checks\.chunks_per_window: expected a positive "
                                               r"integer, got "):  # fmt: skip
             parse(with_checks({"chunks_per_window": bad}))
+
+
+def test_table_names_keep_case_and_spaces_and_quote_parts_with_dots() -> None:
+    from cdc_assets.config import ConfigError, split_table_name
+
+    assert split_table_name("orders", "t") == ("public", "orders")
+    assert split_table_name("public.Order Items", "t") == ("public", "Order Items")
+    assert split_table_name('"my.schema"."t.1"', "t") == ("my.schema", "t.1")
+    assert split_table_name('"x.y"', "t") == ("public", "x.y")
+    assert split_table_name('public."say ""hi"""', "t") == ("public", 'say "hi"')
+    for bad in ("a.b.c", '"a', ".a"):
+        with pytest.raises(ConfigError, match=r"tables\[0\]\.name: .* is not a table name; expected 'schema.table'"):
+            split_table_name(bad, "tables[0].name")
