@@ -314,6 +314,17 @@ def test_a_partition_attached_while_streaming_reaches_the_roots_mirror_exactly_o
     mirror = spark.read.format("delta").load(pipeline.lake.table("public.meas").mirror)
     assert mirror.where("id >= 2000").count() == 500 - 10 + 2
     assert mirror.where("v = 'changed'").count() == 50 and mirror.where("v = 'after'").count() == 10
+    # a partition detached: its rows leave the root without a change; the planner has every chunk read again
+    partitions = pipeline.partitions(meas)
+    admin.execute("alter table meas detach partition meas_high")
+    admin.execute("update meas_high set v = 'detached, not captured' where id < 1100")
+    reason = repartition_reason(partitions, pipeline.partitions(meas))
+    assert reason is not None and "public.meas_high detached" in reason
+    pipeline.snapshot(spark, meas, list(range(len(pipeline.plan(meas).chunks))), "detached")
+    recorded = catch_up(pipeline, spark, recorded)
+    assert_exact(pipeline, spark, config)
+    mirror = spark.read.format("delta").load(pipeline.lake.table("public.meas").mirror)
+    assert mirror.where("id between 1000 and 1999").count() == 0 and mirror.where("id < 1000").count() > 0
     # a TRUNCATE of the root: pgoutput lists every partition, and the root's mirror is truncated (once)
     admin.execute("truncate meas")
     admin.execute("insert into meas values (5, 'five'), (2005, 'later')")
