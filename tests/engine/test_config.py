@@ -109,3 +109,16 @@ def test_stream_byte_bounds_and_lag_alerts_are_read_and_validated() -> None:
     bad = {**BASE, "sources": [{**BASE["sources"][0], "stream": {"max_batch_bytes": 0}}]}
     with pytest.raises(ConfigError, match=r"stream\.max_batch_bytes: expected a positive integer, got 0"):
         parse(bad)
+
+
+def test_table_names_keep_case_and_spaces_and_quote_parts_with_dots() -> None:
+    from cdc_assets.config import ConfigError, split_table_name
+
+    assert split_table_name("orders", "t") == ("public", "orders")
+    assert split_table_name("public.Order Items", "t") == ("public", "Order Items")
+    assert split_table_name('"my.schema"."t.1"', "t") == ("my.schema", "t.1")
+    assert split_table_name('"x.y"', "t") == ("public", "x.y")
+    assert split_table_name('public."say ""hi"""', "t") == ("public", 'say "hi"')
+    for bad in ("a.b.c", '"a', ".a"):
+        with pytest.raises(ConfigError, match=r"tables\[0\]\.name: .* is not a table name; expected 'schema.table'"):
+            split_table_name(bad, "tables[0].name")

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import psycopg
 import pytest
-from dagster import AssetKey, DagsterInstance, build_sensor_context
+from dagster import AssetKey, AssetSelection, DagsterInstance, build_sensor_context, materialize
 from psycopg import sql
 
 from cdc_assets.build import build_definitions
@@ -166,6 +166,15 @@ def test_definitions_load_with_every_odd_name_and_report_the_keyless_table(sourc
     assert "surrogate_key" in again.skip_message
     assert not again.asset_events  # the check's evaluation is recorded once per reason
 
+    # running the check asks the source again: it fails naming table, reason and fix
+    check = next(c for c in defs.asset_checks if (AssetKey(["odd", "public", "nolog"]), "table_is_captured") in {
+        (k.asset_key, k.name) for k in c.check_keys
+    })  # fmt: skip
+    ran = materialize([nolog, check], selection=AssetSelection.checks(check), resources=defs.resources,
+                      instance=instance, raise_on_error=False)  # fmt: skip
+    (evaluation,) = ran.get_asset_check_evaluations()
+    assert not evaluation.passed and "has no primary key" in (evaluation.description or "")
+
     env = {**os.environ, "CDC_CONFIG": str(path)}
     validated = subprocess.run(
         [str(Path(sys.executable).parent / "dagster"), "definitions", "validate", "-m", "cdc_assets.definitions"],
@@ -305,6 +314,17 @@ def test_a_partition_attached_while_streaming_reaches_the_roots_mirror_exactly_o
     mirror = spark.read.format("delta").load(pipeline.lake.table("public.meas").mirror)
     assert mirror.where("id >= 2000").count() == 500 - 10 + 2
     assert mirror.where("v = 'changed'").count() == 50 and mirror.where("v = 'after'").count() == 10
+    # a partition detached: its rows leave the root without a change; the planner has every chunk read again
+    partitions = pipeline.partitions(meas)
+    admin.execute("alter table meas detach partition meas_high")
+    admin.execute("update meas_high set v = 'detached, not captured' where id < 1100")
+    reason = repartition_reason(partitions, pipeline.partitions(meas))
+    assert reason is not None and "public.meas_high detached" in reason
+    pipeline.snapshot(spark, meas, list(range(len(pipeline.plan(meas).chunks))), "detached")
+    recorded = catch_up(pipeline, spark, recorded)
+    assert_exact(pipeline, spark, config)
+    mirror = spark.read.format("delta").load(pipeline.lake.table("public.meas").mirror)
+    assert mirror.where("id between 1000 and 1999").count() == 0 and mirror.where("id < 1000").count() > 0
     # a TRUNCATE of the root: pgoutput lists every partition, and the root's mirror is truncated (once)
     admin.execute("truncate meas")
     admin.execute("insert into meas values (5, 'five'), (2005, 'later')")
