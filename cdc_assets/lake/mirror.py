@@ -9,7 +9,8 @@ Contract:
   (``mirror_source_fields``), so the dropped one is NULL in each row written after the drop.
 - ``append_changelog``: appends a batch's changes, skipping those at or below the offset recorded in the changelog's
   last commit (``userMetadata``; a retried batch appends nothing twice: batches are contiguous in commit order, one
-  table's append is one atomic Delta commit, and only stream batches write changelogs).
+  table's append is one atomic Delta commit, and only stream batches write changelogs); a batch re-read smaller
+  than one already appended (its offset at or below the last commit's) appends nothing and commits nothing.
 - ``apply_changes``: applies the net change per key, in commit order (``_cdc_position``, ``_cdc_seq``); a key change
   deletes the old key; a ``TRUNCATE`` deletes the rows older than it. Every write is guarded by
   ``_cdc_position``: a change is applied only to a row older than itself, so re-applying a batch is a no-op.
@@ -139,9 +140,14 @@ def last_applied_lsn(spark: SparkSession, path: str) -> int | None:
         return None
 
 
-def append_changelog(spark: SparkSession, path: str, changes: DataFrame) -> None:
-    """Append ``changes`` not yet in the changelog: those after the offset of the changelog's last commit."""
+def append_changelog(spark: SparkSession, path: str, changes: DataFrame, batch_lsn: int | None = None) -> None:
+    """Append ``changes`` not yet in the changelog: those after the offset of the changelog's last commit. A batch
+    whose offset ``batch_lsn`` is at or below that offset (a batch re-read smaller after a failure) writes nothing:
+    every change of it is there already, and a commit would record its lower offset (its successor would then
+    append the changes between the two offsets a second time)."""
     already = last_applied_lsn(spark, path)
+    if already is not None and batch_lsn is not None and batch_lsn <= already:
+        return
     if already is not None:
         changes = changes.where(F.col("_cdc_position") > already)
     writer = changes.write.format("delta").mode("append").option("mergeSchema", "true")
