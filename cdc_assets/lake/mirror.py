@@ -142,9 +142,10 @@ def last_applied_lsn(spark: SparkSession, path: str) -> int | None:
 
 def append_changelog(spark: SparkSession, path: str, changes: DataFrame, batch_lsn: int | None = None) -> None:
     """Append ``changes`` not yet in the changelog: those after the offset of the changelog's last commit. A batch
-    whose offset ``batch_lsn`` is at or below that offset (a batch re-read smaller after a failure) writes nothing:
-    every change of it is there already, and a commit would record its lower offset (its successor would then
-    append the changes between the two offsets a second time)."""
+    whose offset ``batch_lsn`` is at or below that offset (a batch re-read smaller after a failure) skips the write:
+    every change of it is there already. (Defensive: a commit with its lower offset would make its successor append
+    the changes in between twice; the test of a smaller re-read passes without this check too, so Delta's append of
+    no rows records no such commit here.)"""
     already = last_applied_lsn(spark, path)
     if already is not None and batch_lsn is not None and batch_lsn <= already:
         return

@@ -267,6 +267,6 @@ def test_a_batch_re_read_smaller_after_a_kill_appends_no_change_twice(source, sp
     pipeline.acknowledge(recorded)
     catch_up(pipeline, spark, recorded)
     changelog = spark.read.format("delta").load(pipeline.lake.table("public.blobs").changelog)
-    assert changelog.count() == 100  # a commit of the smaller batch's lower offset made its successor append twice
+    assert changelog.count() == 100  # a commit of the smaller batch's lower offset: its successor appends twice
     assert changelog.select("_cdc_commit_lsn", "_cdc_seq").distinct().count() == 100
     assert_mirror_exact(admin, pipeline, spark)
