@@ -9,7 +9,8 @@ Contract:
   (``mirror_source_fields``), so the dropped one is NULL in each row written after the drop.
 - ``append_changelog``: appends a batch's changes, skipping those at or below the offset recorded in the changelog's
   last commit (``userMetadata``; a retried batch appends nothing twice: batches are contiguous in commit order, one
-  table's append is one atomic Delta commit, and only stream batches write changelogs).
+  table's append is one atomic Delta commit, and only stream batches write changelogs); a batch re-read smaller
+  than one already appended (its offset at or below the last commit's) appends nothing and commits nothing.
 - Column names Delta refuses by default (spaces, ``,;{}()=``, tab, newline) are kept as they are: a mirror or
   changelog that holds one is created with (or switched to) Delta column mapping by name
   (``cdc_assets.lake.column_mapping``); the commits that do so carry no offset and are not taken for one.
@@ -150,9 +151,15 @@ def last_applied_lsn(spark: SparkSession, path: str) -> int | None:
         return None
 
 
-def append_changelog(spark: SparkSession, path: str, changes: DataFrame) -> None:
-    """Append ``changes`` not yet in the changelog: those after the offset of the changelog's last commit."""
+def append_changelog(spark: SparkSession, path: str, changes: DataFrame, batch_lsn: int | None = None) -> None:
+    """Append ``changes`` not yet in the changelog: those after the offset of the changelog's last commit. A batch
+    whose offset ``batch_lsn`` is at or below that offset (a batch re-read smaller after a failure) skips the write:
+    every change of it is there already. (Defensive: a commit with its lower offset would make its successor append
+    the changes in between twice; the test of a smaller re-read passes without this check too, so Delta's append of
+    no rows records no such commit here.)"""
     already = last_applied_lsn(spark, path)
+    if already is not None and batch_lsn is not None and batch_lsn <= already:
+        return
     if already is not None:
         changes = changes.where(F.col("_cdc_position") > already)
     if refused_names(changes.schema):  # column names Delta refuses by default: column mapping, created first

@@ -16,7 +16,14 @@ Contract (Dagster calls these from assets and sensors; tests call them directly)
   records the returned offset first, then calls ``acknowledge``, which moves the slot. A batch re-run from the
   same slot position writes nothing twice (``cdc_assets.lake.mirror``). The offset is also written into each
   Delta commit's ``userMetadata``.
-- ``pending_work()`` says whether a batch is due (the streaming sensor and a long-lived stream run poll it).
+  Its bounds (``stream.max_changes``, ``stream.max_batch_bytes``) are halved after a failed batch, down to one
+  transaction, and doubled back after successes (``cdc_assets.engine.batch_bounds``; ``_cdc/stream_bounds.json``,
+  which also marks a batch in flight, so a process killed during one counts as a failure). A failure raises
+  ``StreamBatchError`` naming the phase, table, changes and bytes, the cause (heap exhaustion, a dead JVM) and the
+  settings to change. A table's part of a batch larger than one spill part runs without automatic broadcast joins,
+  with input partitions of ``spill_bytes`` and its rows persisted on disk (``big_batch_conf``).
+- ``pending_work()`` says whether a batch is due (the streaming sensor and a long-lived stream run poll it);
+  ``lag()`` is the slot's lag in bytes and seconds (the sensor records it on every tick).
 - ``check_chunks`` is ``cdc_assets.lake.consistency.check_chunks`` (PostgreSQL computes the source side).
 """
 
@@ -353,7 +360,7 @@ class PostgresPipeline:
         bounds = self.batch_bounds()
         if bounds.in_flight is not None:  # the previous batch's process died while it wrote the lake
             bounds = recover_in_flight(bounds)
-        self._store_bounds(with_in_flight(bounds, bounds.max_changes, bounds.max_bytes))
+        self.store_bounds(with_in_flight(bounds, bounds.max_changes, bounds.max_bytes))
         progress = _BatchProgress()
         try:
             report = self._stream_batch(spark, recorded_lsn, batch_id, spill_dir, bounds, progress, started)
@@ -362,12 +369,12 @@ class PostgresPipeline:
                 raise
             cause = failure_cause(error)
             shrunk = after_failure(bounds, progress.changes, progress.bytes, cause)
-            self._store_bounds(shrunk)
+            self.store_bounds(shrunk)
             raise StreamBatchError(
                 describe_failure(self.source.name, progress, bounds, shrunk, cause, self.driver_memory())
             ) from error
         restored = after_success(bounds, configured, progress.cut)
-        self._store_bounds(restored)
+        self.store_bounds(restored)
         report.bounds = {
             "max_changes": bounds.max_changes,
             "max_bytes": bounds.max_bytes,
@@ -400,7 +407,7 @@ class PostgresPipeline:
             return configured
         return BatchBounds.from_json(data if isinstance(data, dict) else {}, configured)
 
-    def _store_bounds(self, bounds: BatchBounds) -> None:
+    def store_bounds(self, bounds: BatchBounds) -> None:
         path = self.bounds_path
         path.parent.mkdir(parents=True, exist_ok=True)
         temporary = path.with_name(f".{path.name}.{uuid.uuid4().hex}")
@@ -425,7 +432,7 @@ class PostgresPipeline:
             server_flush = stream.current_flush_lsn(conn)
         progress.changes, progress.bytes, progress.transactions = batch.changes, batch.bytes, batch.transactions
         progress.cut = batch.cut_by_change_limit
-        self._store_bounds(with_in_flight(bounds, batch.changes, batch.bytes))
+        self.store_bounds(with_in_flight(bounds, batch.changes, batch.bytes))
         phases = {"read": time.monotonic() - started}
         offset: dict[str, object] = {
             "lsn": format_lsn(batch.applied_lsn),
@@ -462,7 +469,7 @@ class PostgresPipeline:
                     try:
                         columns = self._columns(table, spill.added_columns)
                         progress.phase, mark = "changelog", time.monotonic()
-                        append_changelog(spark, paths.changelog, changes)
+                        append_changelog(spark, paths.changelog, changes, batch.applied_lsn)
                         phases["changelog"] = phases.get("changelog", 0.0) + time.monotonic() - mark
                         fault_point("stream.after_changelog")
                         progress.phase, mark = "merge", time.monotonic()

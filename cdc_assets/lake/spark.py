@@ -1,17 +1,20 @@
 """The Spark session with Delta Lake.
 
-Contract: ``spark_session(config)`` returns the process's Spark session (created once, then reused), configured for
-Delta (SQL extension, catalog), the UTC session time zone (the codec's timestamps are UTC instants), Arrow
-transfers, and the user's ``spark.conf``. A local driver's heap (``spark.driver.memory``; local mode: the driver is
-the executor, so this heap bounds every task) defaults to ``default_driver_memory()``: a quarter of the machine's
-memory (or of the container's limit, cgroup v1 or v2), at least 1g, at most 16g; ``spark.conf`` in ``cdc.yaml``
-overrides it. Parquet writers check their buffered size from the first row on (``parquet.page.size.row.check.min``
-= 1; parquet-mr's default 100 rows buffers 100 values before it looks, 1 GB of 10 MB values), so a row group or
-page of big values is cut by bytes. ``remote`` connects to a Spark Connect server instead of starting a
-driver. A local driver loads the Delta jars that ``scripts/setup.sh`` fetched with Maven into ``.jars/`` (or the
-folder named by ``CDC_JARS_DIR``); Python workers run the driver's interpreter unless ``PYSPARK_PYTHON`` says
-otherwise. ``session_conf(spark, settings)`` sets ``settings`` in the session's conf for the duration of a block,
-then restores the previous values.
+Contract: ``spark_session(config)`` returns the process's Spark session (created
+once, then reused), configured for Delta (SQL extension, catalog), the UTC session time zone (the codec's timestamps
+are UTC instants), Arrow transfers, and the user's ``spark.conf``. A local driver's heap (``spark.driver.memory``;
+local mode: the driver is the executor, so this heap bounds every task) defaults to ``default_driver_memory()``: a
+quarter of the machine's memory (or of the container's limit, cgroup v1 or v2), at least 1g, at most 16g;
+``spark.conf`` in ``cdc.yaml`` overrides it. Beside the heap the JVM holds direct buffers (its default cap: the
+heap size again): parquet-mr's Snappy codecs grow them to each page they compress (a page of one 100 MB value: ~220
+MB) and free them only when a full collection finds them. Parquet writers
+check their buffered size from the first row on (``parquet.page.size.row.check.min`` = 1; parquet-mr's
+default 100 rows buffers 100 values before it looks, 1 GB of 10 MB values), so a page of big values is cut by bytes
+(a row group is cut by its compressed size: ``cdc_assets.lake.pipeline.big_batch_conf`` makes those small for rows
+of big values). ``remote`` connects to a Spark Connect server instead of starting a driver. A local driver loads the
+Delta jars that ``scripts/setup.sh`` fetched with Maven into ``.jars/`` (or the folder named by ``CDC_JARS_DIR``);
+Python workers run the driver's interpreter unless ``PYSPARK_PYTHON`` says otherwise. ``session_conf(spark,
+settings)`` sets ``settings`` in the session's conf for the duration of a block, then restores the previous values.
 """
 
 from __future__ import annotations
@@ -81,6 +84,15 @@ def delta_jars() -> list[str]:
     if not any("delta-spark" in Path(j).name for j in jars):
         raise RuntimeError(f"no Delta jars in {folder}: run scripts/setup.sh (Maven fetches them from jvm/pom.xml)")
     return jars
+
+
+def memory_megabytes(text: str) -> int:
+    """A JVM memory size (``6144m``, ``8g``, ``512k``, bytes) in megabytes."""
+    units = {"k": 1 / 1024, "m": 1, "g": 1024, "t": 1024 * 1024}
+    value = text.strip().lower().removesuffix("b")
+    if value and value[-1] in units:
+        return int(float(value[:-1]) * units[value[-1]])
+    return int(value) // 2**20
 
 
 def spark_session(config: SparkConfig) -> SparkSession:
