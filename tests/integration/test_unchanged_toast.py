@@ -120,7 +120,7 @@ def source(postgres_server: dict[str, str], tmp_path: Path):
         admin.execute(sql.SQL("grant select on all tables in schema public to {}").format(sql.Identifier(role)))
         admin.execute(sql.SQL("create publication {} for table hx, hc, hu").format(sql.Identifier(DATABASE)))
         admin.execute("select pg_create_logical_replication_slot(%s, 'pgoutput')", [DATABASE])
-        yield admin, pipeline_config(DATABASE, tmp_path / "lake", chunk_size=16)
+        yield admin, pipeline_config(DATABASE, tmp_path / "lake", chunk_size=64)
     finally:
         admin.close()
         drop_source(admin_dsn, DATABASE)
@@ -258,7 +258,7 @@ def test_a_batch_rerun_after_it_died_past_its_merge(source, spark, monkeypatch) 
     nine changes: the batch bound cuts it where the first attempt ended) and the next batch must give 204 the value
     4 had (the old code's re-run found 104 unknown and read it from the source after the reuse)."""
     admin, config = source
-    config = pipeline_config(DATABASE, config.lake_root, chunk_size=16, max_changes=9)
+    config = pipeline_config(DATABASE, config.lake_root, chunk_size=64, max_changes=9)
     pipeline = PostgresPipeline(config, config.sources[0])
     pipeline.prepare()
     recorded = snapshot_all(pipeline, spark)
