@@ -25,7 +25,9 @@ Contract:
   the row that reused the key since) is never taken. With no such state the value is unknown: NULL in its column and
   named in ``_cdc_unknown``, never a placeholder. So a value is unknown only where the lake never had it (the row
   was not in the mirror yet: its chunk was not reconciled) or had it unknown, never where a change the stream
-  applied carried it. ``apply_changes`` returns the keys of mirror rows with unknown values; the stream reads them in
+  applied carried it (one exception: a re-run that reads fewer changes than an earlier attempt of its batch, its
+  batch bound lowered in between, can find the mirror rows of that attempt too new and leave such a value unknown).
+  ``apply_changes`` returns the keys of mirror rows with unknown values; the stream reads them in
   a fill window (below).
 - ``reconcile``: the DESIGN.md rule. For each closable window: drop staged keys that have any change (old or new
   key) in the changelog from a transaction not settled at the window's low watermark (a ``TRUNCATE`` by such a
