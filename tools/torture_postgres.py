@@ -14,7 +14,9 @@ Contract
   (``test_decoding``) right after it, with no write in between.
 - **Workload** (admin sessions, ``synchronous_commit = on``): writer threads doing inserts, updates, deletes,
   primary-key updates (keys move between chunks), delete-then-reinsert in one transaction and across two,
-  SAVEPOINT + ROLLBACK TO, multi-row updates, TOAST updates and TOAST left unchanged; a thread of long
+  SAVEPOINT + ROLLBACK TO, multi-row updates, TOAST updates and TOAST left unchanged, chains of primary-key updates
+  leaving a TOAST value (now and then 100k-400k characters) unchanged with the freed keys reused at once by new
+  rows, in one transaction and across several (issue 24); a thread of long
   transactions spanning many chunk windows (committed or rolled back). Schema events: ``ALTER TABLE ADD COLUMN``
   (twice) and ``TRUNCATE`` (with re-inserts in the same transaction or the next). A statement that fails as
   malformed SQL (``HARNESS_BUGS``) stops the seed as a harness bug instead of being rolled back like a lock timeout.
@@ -214,7 +216,9 @@ BODY_ALPHABET = "abcdefghijklmnopqrstuvwxyz ABCDEFGHIJ0123456789.,;\n\"'\\éü�
 
 
 def g_body(r: random.Random) -> str:
-    return "".join(r.choices(BODY_ALPHABET, k=r.randrange(3000, 30000)))  # TOAST-sized, stored external
+    # TOAST-sized, stored external; now and then a large one (the issue's row carried 400,000 characters)
+    size = r.randrange(100_000, 400_000) if r.random() < 0.02 else r.randrange(3000, 30000)
+    return "".join(r.choices(BODY_ALPHABET, k=size))
 
 
 @dataclass(frozen=True)
@@ -582,6 +586,49 @@ class Ops:
             [*new, *old, *new],
         )
 
+    def toast_chain(self, table: str, commit_between: bool = False) -> None:
+        """Issue 24's pattern on a table with a TOASTed column (``uuid_docs.body``, stored external; else the
+        table itself): primary-key updates leaving the large value unchanged, one after another (a chain: the row
+        moves on), with updates of other columns between them, and each freed key often reused at once by a new row
+        with another large value. With ``commit_between`` (a writer's own transactions, never inside a long one)
+        the chain's steps are committed apart, so the chain spans transactions and often batches."""
+        if table != "uuid_docs" and self.r.random() < 0.7:
+            table = "uuid_docs"
+        spec = TABLES[table]
+        key = self.existing(table)
+        if key is None:
+            return
+        assignments = sql.SQL(", ").join(
+            sql.SQL("{} = %s::" + spec.key_type(k)).format(sql.Identifier(k)) for k in spec.key
+        )
+        others = [c for c in TABLES[table].columns if c.name not in ("body", "blob")]
+        for _ in range(self.r.randrange(1, 5)):
+            new = new_key(table, self.r, self.rows[table])
+            moved = self.s.run(
+                table,
+                sql.SQL("update {} set {} where {} and not exists (select from {} where {})").format(
+                    sql.Identifier(table), assignments, key_match(spec), sql.Identifier(table), key_match(spec)
+                ),
+                [*new, *key, *new],
+            ).rowcount
+            if not moved:
+                return
+            if self.r.random() < 0.6:
+                self.update_columns(table, new, [self.r.choice(others)])
+            if self.r.random() < 0.5:
+                self.insert(table, key)  # the freed key, reused by another row with another large value
+            if commit_between and self.r.random() < 0.5:
+                self.s.commit()
+            key = new
+
+    def update_columns(self, table: str, key: tuple[str, ...], columns: list[Column]) -> None:
+        assignments = sql.SQL(", ").join(sql.SQL("{} = %s::" + c.type).format(sql.Identifier(c.name)) for c in columns)
+        self.s.run(
+            table,
+            sql.SQL("update {} set {} where {}").format(sql.Identifier(table), assignments, key_match(TABLES[table])),
+            [*[c.gen(self.r) for c in columns], *key],
+        )
+
     def reinsert(self, table: str) -> None:
         key = self.existing(table)
         if key is not None:
@@ -619,8 +666,17 @@ class Ops:
     def random_op(self) -> None:
         table = self.r.choices(list(TABLES), weights=[4, 2, 2, 2])[0]
         op = self.r.choices(
-            [self.insert, self.update, self.delete, self.key_update, self.reinsert, self.multi_update, self.savepoint],
-            weights=[4, 6, 2, 2, 1, 1, 1],
+            [
+                self.insert,
+                self.update,
+                self.delete,
+                self.key_update,
+                self.reinsert,
+                self.multi_update,
+                self.savepoint,
+                self.toast_chain,
+            ],
+            weights=[4, 6, 2, 2, 1, 1, 1, 1],
         )[0]
         op(table)
 
@@ -649,7 +705,9 @@ class Writer(threading.Thread):
             next_at = time.monotonic()
             while not self.ctx.stop.is_set():
                 try:
-                    if self.r.random() < 0.03:  # delete, commit, re-insert the same key later
+                    if self.r.random() < 0.04:  # a chain of key changes leaving TOAST unchanged, across commits
+                        self.ops.toast_chain(self.r.choice(list(TABLES)), commit_between=True)
+                    elif self.r.random() < 0.03:  # delete, commit, re-insert the same key later
                         table = self.r.choice(list(TABLES))
                         key = self.ops.existing(table)
                         if key is not None:

@@ -6,7 +6,8 @@ exactly like a lost machine. ``CDC_FAULT_PROBABILITY`` (default 1) makes a liste
 probability, drawn from ``random.Random(CDC_FAULT_SEED)``. Production never sets these variables.
 
 Points: ``snapshot.before_window_record`` (rows staged, window not recorded), ``stream.after_changelog``
-(changelogs appended, mirrors not merged), ``stream.after_lake_commit`` (lake written, offset not recorded),
+(changelogs appended, mirrors not merged), ``stream.after_merge`` (a table's mirror merged, its fill window of
+unknown values not opened, later tables not merged), ``stream.after_lake_commit`` (lake written, offset not recorded),
 ``stream.after_offset_record`` (offset recorded, slot not advanced), ``stream.during_maintenance`` (lake upkeep
 between batches: a table's finished staged attempts dropped, its tables not yet compacted or vacuumed).
 
@@ -24,6 +25,7 @@ import signal
 POINTS = (
     "snapshot.before_window_record",
     "stream.after_changelog",
+    "stream.after_merge",
     "stream.after_lake_commit",
     "stream.after_offset_record",
     "stream.during_maintenance",

@@ -15,6 +15,10 @@ Contract:
   before ``written_before``: left by a snapshot run that died between its staging write and its window record (its
   rerun staged a new attempt). A run records its windows seconds after its staging write, so with a
   ``written_before`` far enough back (the upkeep: one day) no window will name them, and staging may drop them.
+- A window of chunk ``FILL_CHUNK`` (-1) is a **fill window** of its table: the stream read, by key, the rows whose
+  mirror rows hold unknown values (``cdc_assets.lake.mirror``), inside a watermark window of its own. It is open,
+  superseded and closed like a chunk's (one per table at a time), and reconciled by the same rule, without a key
+  range.
 - ``closable(windows, applied_lsn)``: the open windows whose ``hw`` the stream has passed (``hw <= applied_lsn``):
   every transaction visible to their reads is in the lake, so they can be reconciled.
 """
@@ -28,6 +32,7 @@ from datetime import datetime
 from cdc_assets.engine.watermark import LowWatermark
 
 STAGED = "staged"
+FILL_CHUNK = -1
 RECONCILED = "reconciled"
 
 

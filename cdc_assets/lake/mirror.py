@@ -17,9 +17,22 @@ Contract:
 - ``apply_changes``: applies the net change per key, in commit order (``_cdc_position``, ``_cdc_seq``); a key change
   deletes the old key; a ``TRUNCATE`` deletes the rows older than it. Every write is guarded by
   ``_cdc_position``: a change is applied only to a row older than itself, so re-applying a batch is a no-op.
-  An unchanged TOAST value takes the newest value of the same row: from an earlier change in the batch, else from
-  the mirror (under the old key for a key change). When no copy exists (the row's earlier value is unknown in the
-  batch after a key change), the column is NULL and named in ``_cdc_unknown``; never a placeholder.
+  **Unchanged TOAST values** (pgoutput's ``u``; issue 24). The value of a change at position P is the value the
+  *same row* had just before P. A key's lineage is the batch's changes at that key in commit order plus the
+  mirror's row at that key, placed after every change of its own ``_cdc_position``; the value before P is the state
+  of the newest earlier entry of the lineage that has one: a change that carries the value (an insert, an update
+  that changed it), a delete (the row ended: unknown), the mirror's row (its value, or unknown when its
+  ``_cdc_unknown`` names the column), or a key change into the key, whose state is the one its old key's lineage had
+  just before it (followed back through chains ``K1 -> K2 -> K3`` in the batch). So a mirror value is taken only
+  from the row that held the key before P: the mirror's row older than P, or one an earlier attempt of this batch
+  wrote after earlier changes of the same row. A mirror row written after P (a batch re-run after a partial commit,
+  the row that reused the key since) is never taken. With no such state the value is unknown: NULL in its column and
+  named in ``_cdc_unknown``, never a placeholder. So a value is unknown only where the lake never had it (the row
+  was not in the mirror yet: its chunk was not reconciled) or had it unknown, never where a change the stream
+  applied carried it (one exception: a re-run that reads fewer changes than an earlier attempt of its batch, its
+  batch bound lowered in between, can find the mirror rows of that attempt too new and leave such a value unknown).
+  ``apply_changes`` returns the keys of mirror rows with unknown values; the stream reads them in
+  a fill window (below).
 - ``reconcile``: the DESIGN.md rule. For each closable window: drop staged keys that have any change (old or new
   key) in the changelog from a transaction not settled at the window's low watermark (a ``TRUNCATE`` by such a
   transaction drops the chunk); upsert the rest (guard: mirror row not newer than the high watermark); delete mirror
@@ -30,12 +43,23 @@ Contract:
   WAL flush or a synchronous standby; the stream may even have applied it), and the read does not see it.
   A dropped key whose mirror row has ``_cdc_unknown`` columns (its unchanged TOAST values reached the stream before
   the mirror had the row) takes those columns from the staged row when no insert, delete or key change touched the
-  key since the window opened: no change carried them, so they have not changed since the read.
+  key since the window opened (by any transaction from the low watermark's ``xmin`` on): every change that replaced
+  the row at that key was settled at the low watermark, so the read saw the mirror row's own row (not one that
+  reused the key), and no change the stream applied since carried those columns (it would have made them known),
+  so they have not changed since the read.
   A chunk whose key range the mirror holds no row of is reconciled by an append of its kept rows (the MERGE would
   only insert there); a rerun after a crash finds the rows and MERGEs, which changes nothing.
   Before writing, it counts each window's staged rows: a window whose rows in staging differ from the count it
   recorded (they were deleted: by hand, or by the upkeep after a record came more than a day late) raises
   ``StagedRowsMismatch`` and writes nothing. Reconciling it would delete the chunk's mirror rows the read saw.
+- **Fill windows** (chunk ``FILL_CHUNK`` of the window log): the source rows of mirror rows with unknown values,
+  read by key inside a watermark window of their own (low watermark, reads, high watermark), staged and recorded
+  like a chunk's, and reconciled by the same rule once the stream has passed the high watermark, without a key
+  range (nothing deleted, nothing appended): an untouched key takes the read row (guard as above), a touched key
+  whose row was never replaced takes only its unknown columns. A value read by key K is the mirror row's only when
+  no change replaced the row at K between that row's position and the read: K can have moved on and been reused by
+  another row. That is known only once the stream has passed the read; a fill that wrote what it read at once gave
+  a moved row the value of the row that reused its key (a later key change carried it on: issue 24).
 """
 
 from __future__ import annotations
@@ -51,9 +75,10 @@ from pyspark.sql import types as T
 from pyspark.sql.window import Window
 
 from cdc_assets.engine.chunks import Chunk, chunk_partition_key
+from cdc_assets.engine.key_chains import chain_roots
 from cdc_assets.engine.lsn import parse_lsn
 from cdc_assets.engine.pg_values import UNREPRESENTABLE_COLUMN, PgColumn, spark_schema
-from cdc_assets.engine.windows import ChunkWindow
+from cdc_assets.engine.windows import FILL_CHUNK, ChunkWindow
 from cdc_assets.lake import staging
 from cdc_assets.lake.column_mapping import MODE as MAPPING_MODE
 from cdc_assets.lake.column_mapping import column_mapping_properties, enable_column_mapping, refused_names
@@ -180,6 +205,10 @@ def _key_struct(image: str, key_columns: Sequence[str]) -> Column:
     return F.struct(*[F.col(f"{image}.{q(k)}").alias(k) for k in key_columns])
 
 
+# the mirror's row enters a key's lineage after every change of its own position (see ``apply_changes``)
+MIRROR_SEQ = (1 << 63) - 1
+
+
 def apply_changes(
     spark: SparkSession,
     path: str,
@@ -189,8 +218,9 @@ def apply_changes(
     unchanged_columns: set[str],
     truncate: tuple[int, int] | None = None,
 ) -> list[tuple]:
-    """Apply one batch of one table's changes (changelog rows) to the mirror. ``truncate`` is the batch's last
-    ``TRUNCATE`` of the table as (``_cdc_position``, ``_cdc_seq``), known to the driver from the batch."""
+    """Apply one batch of one table's changes (changelog rows) to the mirror; the keys of mirror rows that hold
+    unknown values afterwards. ``truncate`` is the batch's last ``TRUNCATE`` of the table as (``_cdc_position``,
+    ``_cdc_seq``), known to the driver from the batch."""
     mirror = ensure_mirror(spark, path, columns)
     mirror_types = {f.name: f.dataType for f in mirror_source_fields(mirror)}
     mirror_columns = list(mirror_types)
@@ -221,36 +251,12 @@ def apply_changes(
     events = upserts.unionByName(deletes)
 
     resolve = sorted(c for c in unchanged_columns if c in after_fields)
-    lineage = Window.partitionBy("_key").orderBy(*order).rowsBetween(Window.unboundedPreceding, -1)
-    resolved: dict[str, Column] = {}  # one withColumns: a withColumn per column re-analyzes the growing plan
-    for name in resolve:
-        unchanged = F.array_contains(F.coalesce(F.col("_cdc_unchanged"), F.array().cast("array<string>")), name)
-        value = F.col(f"after.{q(name)}")
-        represented = F.col(f"after.{UNREPRESENTABLE_COLUMN}")[name]
-        barrier = F.struct(F.lit(False).alias("known"), F.lit(None).cast(after_fields[name]).alias("v"),
-                           F.lit(None).cast("string").alias("rep"))  # fmt: skip
-        known = F.struct(F.lit(True).alias("known"), value.alias("v"), represented.alias("rep"))
-        state = (
-            F.when((F.col("_kind") == "d") | (F.col("_key_change") & unchanged), barrier)
-            .when((F.col("_kind") == "u") & ~unchanged, known)
-        )  # fmt: skip
-        resolved[f"_prev_{name}"] = F.last(state, ignorenulls=True).over(lineage)
-        resolved[f"_unch_{name}"] = unchanged
-    if resolved:
-        events = events.withColumns(resolved)
-
     if resolve:
-        # a key change takes the value the row had under its old key, seen on the old key's delete event
-        carried = events.where((F.col("_kind") == "d") & F.col("_key_change")).select(
-            "_cdc_position", "_cdc_seq", *[F.col(f"_prev_{n}").alias(f"_carry_{n}") for n in resolve]
-        )
-        events = events.join(carried, ["_cdc_position", "_cdc_seq"], "left")
-
+        events = _resolve_unchanged(spark, path, events, key_columns, resolve, after_fields)
     latest = Window.partitionBy("_key").orderBy(*[c.desc() for c in order])
     net = events.withColumn("_rank", F.row_number().over(latest)).where(F.col("_rank") == 1).drop("_rank")
 
     values: dict[str, Column] = {}
-    from_mirror: list[tuple[str, Column]] = []
     unknown: list[Column] = []
     extra_representations: list[Column] = []
     for name in mirror_columns:
@@ -261,36 +267,27 @@ def apply_changes(
         if name not in resolve:
             values[name] = value
             continue
-        prev = F.when(F.col("_key_change"), F.col(f"_carry_{name}")).otherwise(F.col(f"_prev_{name}"))
-        unchanged = F.col(f"_unch_{name}")
-        values[name] = F.when(~unchanged, value).when(prev["known"], prev["v"])
-        extra_representations += [F.lit(name), F.when(unchanged & prev["known"], prev["rep"])]
-        from_mirror.append((name, unchanged & prev.isNull()))
-        unknown.append(F.when(unchanged & prev.isNotNull() & ~prev["known"], F.lit(name)))
+        state, unchanged = F.col(q(f"_value_{name}")), F.col(q(f"_unch_{name}"))
+        known = F.coalesce(state["tag"] == "k", F.lit(False))
+        values[name] = F.when(~unchanged, value).when(known, state["v"])
+        extra_representations += [F.lit(name), F.when(unchanged & known, state["rep"])]
+        unknown.append(F.when(unchanged & ~known, F.lit(name)))
     representation = F.coalesce(F.col(f"after.{UNREPRESENTABLE_COLUMN}"), F.create_map().cast("map<string,string>"))
     if extra_representations:
         representation = F.map_concat(
             representation, F.map_filter(F.create_map(*extra_representations), lambda k, v: v.isNotNull())
         )
+    unknown_names = F.array_compact(F.array(*unknown)) if unknown else F.array().cast("array<string>")
     source = net.select(
         *[F.col(f"_key.{q(k)}").alias(f"_k_{k}") for k in key_columns],
-        F.col("_old_key"),
-        F.col("_key_change"),
         F.col("_kind"),
         *[v.alias(n) for n, v in values.items()],
-        representation.alias("_rep"),
-        *[flag.alias(f"_mirror_{n}") for n, flag in from_mirror],
-        F.array_compact(F.array(*unknown) if unknown else F.array().cast("array<string>")).alias("_unknown"),
+        F.when(F.size(representation) > 0, representation).alias(UNREPRESENTABLE_COLUMN),
         F.col("_cdc_op"),
         F.col("_cdc_position"),
         F.col("_cdc_ts"),
+        F.when(F.size(unknown_names) > 0, unknown_names).alias("_cdc_unknown"),
     )
-    if from_mirror:
-        source = _fill_from_mirror(spark, path, source, key_columns, [n for n, _ in from_mirror])
-    source = source.withColumn(
-        UNREPRESENTABLE_COLUMN, F.when(F.size("_rep") > 0, F.col("_rep")).otherwise(F.lit(None))
-    ).withColumn("_cdc_unknown", F.when(F.size("_unknown") > 0, F.col("_unknown")))
-
     merge_net_changes(mirror, source, mirror_columns, key_columns, path)
     if not resolve:
         return []
@@ -320,6 +317,135 @@ def merge_net_changes(
     )
 
 
+def _resolve_unchanged(
+    spark: SparkSession,
+    path: str,
+    events: DataFrame,
+    key_columns: Sequence[str],
+    names: Sequence[str],
+    after_fields: dict[str, T.DataType],
+) -> DataFrame:
+    """``events`` (the batch's upserts and deletes, ``_kind`` ``'u'``/``'d'``, by ``_key``) without the mirror's,
+    each with ``_unch_<name>`` (the change left the TOAST column unchanged) and ``_value_<name>``: the column's
+    state after the change (see ``state`` below; never ``'p'``, NULL when unknown). The rule is the module's Contract:
+    a key's lineage is its changes in commit order plus the mirror's row at that key, placed after the changes of
+    its ``_cdc_position`` (so it counts only for the changes after it: a mirror row written by an earlier attempt of
+    this batch, or by a later batch, is never the row a change before it modified). A change's value before it is
+    the state of the newest earlier entry of its lineage that has one; a key change's new key starts from the
+    state its old key's lineage had just before the key change (a pointer, followed back through chains of key
+    changes in the batch)."""
+    order = [F.col("_cdc_position"), F.col("_cdc_seq")]
+    empty = F.array().cast("array<string>")
+    unchanged_of = F.coalesce(F.col("_cdc_unchanged"), empty)
+    wanted = F.array(*[F.lit(n) for n in names])
+    # the mirror's rows at the keys whose lineage may need them: a change leaving a TOAST column unchanged
+    needed = events.where(F.arrays_overlap(unchanged_of, wanted)).select("_key").distinct()
+    mirror = spark.read.format("delta").load(path)
+    mirrored = mirror.select(
+        F.struct(*[F.col(q(k)).alias(k) for k in key_columns]).alias("_key"),
+        F.col("_cdc_position"),
+        F.lit(MIRROR_SEQ).alias("_cdc_seq"),
+        F.lit("m").alias("_kind"),
+        F.lit(False).alias("_key_change"),
+        *[F.col(q(n)).alias(f"_mv_{n}") for n in names],
+        *[F.col(UNREPRESENTABLE_COLUMN)[n].alias(f"_mr_{n}") for n in names],
+        F.coalesce(F.col("_cdc_unknown"), empty).alias("_m_unknown"),
+    ).join(needed, "_key", "left_semi")
+
+    def state(tag: str, value: Column | None = None, rep: Column | None = None, pointer: bool = False,
+              data_type: T.DataType | None = None) -> Column:  # fmt: skip
+        """A TOAST column's state in a lineage: ``tag`` ``'k'`` (value ``v`` known, ``rep`` its unrepresentable
+        text), ``'x'`` (not known: a delete, or the mirror's row names it in ``_cdc_unknown``) or ``'p'`` (this key
+        change's: what its old key's lineage had just before it, at (``pp``, ``ps``)). A change that left the value
+        as it was has none (NULL): the newest earlier state stands."""
+        return F.struct(
+            F.lit(tag).alias("tag"),
+            (value if value is not None else F.lit(None)).cast(data_type).alias("v"),
+            (rep if rep is not None else F.lit(None)).cast("string").alias("rep"),
+            (F.col("_cdc_position") if pointer else F.lit(None)).cast("bigint").alias("pp"),
+            (F.col("_cdc_seq") if pointer else F.lit(None)).cast("bigint").alias("ps"),
+        )
+
+    states: dict[str, Column] = {}
+    mirror_states: dict[str, Column] = {}
+    for name in names:
+        data_type = after_fields[name]
+        unchanged = F.array_contains(unchanged_of, name)
+        states[f"_unch_{name}"] = unchanged
+        states[f"_own_{name}"] = (
+            F.when(F.col("_kind") == "d", state("x", data_type=data_type))
+            .when(~unchanged, state("k", F.col(f"after.{q(name)}"), F.col(f"after.{UNREPRESENTABLE_COLUMN}")[name],
+                                    data_type=data_type))
+            .when(F.col("_key_change"), state("p", pointer=True, data_type=data_type))
+        )  # fmt: skip
+        mirror_states[f"_own_{name}"] = F.when(
+            F.array_contains(F.col("_m_unknown"), name), state("x", data_type=data_type)
+        ).otherwise(state("k", F.col(q(f"_mv_{name}")), F.col(q(f"_mr_{name}")), data_type=data_type))
+    events = events.withColumns(states)
+    mirrored = mirrored.withColumns(mirror_states).drop(
+        *[f"_mv_{n}" for n in names], *[f"_mr_{n}" for n in names], "_m_unknown"
+    )
+    lineage = events.unionByName(mirrored, allowMissingColumns=True)
+    before = Window.partitionBy("_key").orderBy(*order).rowsBetween(Window.unboundedPreceding, -1)
+    lineage = lineage.withColumns(
+        {f"_prev_{n}": F.last(F.col(q(f"_own_{n}")), ignorenulls=True).over(before) for n in names}
+    )
+    lineage = lineage.where(F.col("_kind") != "m").withColumns(
+        {f"_after_{n}": F.coalesce(F.col(q(f"_own_{n}")), F.col(q(f"_prev_{n}"))) for n in names}
+    )
+    # a key change: the state its old key had just before it (its delete event's), which may itself point further
+    # back (a chain of key changes in the batch)
+    carried = lineage.where((F.col("_kind") == "d") & F.col("_key_change")).select(
+        F.col("_cdc_position").alias("_c_pp"), F.col("_cdc_seq").alias("_c_ps"),
+        *[F.col(q(f"_prev_{n}")).alias(f"_carry_{n}") for n in names],
+    )  # fmt: skip
+    links = []  # few: only a key change whose old key got its row by a key change in the same batch
+    for name in names:
+        carry = F.col(q(f"_carry_{name}"))
+        for r in carried.where(carry["tag"] == "p").select("_c_pp", "_c_ps", carry["pp"], carry["ps"]).collect():
+            links.append((name, r[0], r[1], r[2], r[3]))
+    roots = chain_roots(links)
+    resolved = lineage
+    for name in names:
+        after = F.col(q(f"_after_{name}"))
+        target_pp, target_ps = f"_t_pp_{name}", f"_t_ps_{name}"
+        resolved = resolved.withColumns(
+            {target_pp: F.when(after["tag"] == "p", after["pp"]), target_ps: F.when(after["tag"] == "p", after["ps"])}
+        )
+        redirect = [(pp, ps, rpp, rps) for (n, pp, ps), (rpp, rps) in roots.items() if n == name]
+        if redirect:
+            frame = spark.createDataFrame(redirect, "_r_pp bigint, _r_ps bigint, _r_rpp bigint, _r_rps bigint")
+            resolved = resolved.join(
+                F.broadcast(frame),
+                (F.col(q(target_pp)) == F.col("_r_pp")) & (F.col(q(target_ps)) == F.col("_r_ps")),
+                "left",
+            )
+            resolved = resolved.withColumns(
+                {
+                    target_pp: F.coalesce(F.col("_r_rpp"), F.col(q(target_pp))),
+                    target_ps: F.coalesce(F.col("_r_rps"), F.col(q(target_ps))),
+                }
+            ).drop("_r_pp", "_r_ps", "_r_rpp", "_r_rps")
+        origin = carried.select(
+            F.col("_c_pp").alias(f"_o_pp_{name}"), F.col("_c_ps").alias(f"_o_ps_{name}"),
+            F.col(q(f"_carry_{name}")).alias(f"_o_{name}"),
+        )  # fmt: skip
+        resolved = resolved.join(
+            origin,
+            (F.col(q(target_pp)) == F.col(q(f"_o_pp_{name}"))) & (F.col(q(target_ps)) == F.col(q(f"_o_ps_{name}"))),
+            "left",
+        )
+        # a pointer ends at a state that is not a pointer (its root's), or nowhere: unknown
+        resolved = resolved.withColumn(
+            f"_value_{name}",
+            F.when(after["tag"] == "k", after).when(
+                (after["tag"] == "p") & (F.col(q(f"_o_{name}"))["tag"] == "k"), F.col(q(f"_o_{name}"))
+            ),
+        ).drop(target_pp, target_ps, f"_o_pp_{name}", f"_o_ps_{name}", f"_o_{name}")
+    keep = [*events.columns, *[f"_value_{n}" for n in names]]
+    return resolved.select(*[F.col(q(c)) for c in keep if not c.startswith("_own_")])
+
+
 def fill_assignments(names: Sequence[str]) -> dict[str, Column]:
     """MERGE ``set`` that replaces only the target's ``_cdc_unknown`` columns with the source row's values. Unknown
     columns the source row lacks (``names`` does not list them) stay unknown: never a NULL placeholder."""
@@ -340,58 +466,6 @@ def fill_assignments(names: Sequence[str]) -> dict[str, Column]:
     remaining = F.array_except(unknown, F.array(*[F.lit(n) for n in names]))
     fills[q("_cdc_unknown")] = F.when(F.size(remaining) > 0, remaining)
     return fills
-
-
-def fill_unknown(spark: SparkSession, path: str, current: DataFrame, key_columns: Sequence[str]) -> None:
-    """Fill the mirror's unknown (unchanged TOAST) values from ``current``: the source's rows of those keys, read
-    after the changes were applied. A value read now is the value the row had at its last applied change, or a
-    newer one whose change the stream applies later (with the value itself); a key gone at the source stays
-    unknown until the stream deletes it."""
-    names = [f.name for f in current.schema.fields if f.name != UNREPRESENTABLE_COLUMN]
-    match = " and ".join(f"t.{q(k)} = s.{q(k)}" for k in key_columns)
-    mirror = DeltaTable.forPath(spark, path)
-    commit_with_retry(
-        lambda: mirror.alias("t")
-        .merge(current.alias("s"), match)
-        .whenMatchedUpdate(condition="t._cdc_unknown is not null", set=fill_assignments(names))
-        .execute(),
-        f"fill unknown values in {path}",
-    )
-
-
-def _fill_from_mirror(
-    spark: SparkSession, path: str, source: DataFrame, key_columns: Sequence[str], names: list[str]
-) -> DataFrame:
-    """Unchanged TOAST values with no copy in the batch: the mirror's value (old key for a key change)."""
-    needs = F.lit(False)
-    for name in names:
-        needs = needs | F.col(f"_mirror_{name}")
-    mirror = spark.read.format("delta").load(path)
-    looked_up = mirror.select(
-        *[F.col(q(k)).alias(f"_m_{k}") for k in key_columns],
-        *[F.col(q(n)).alias(f"_mv_{n}") for n in names],
-        *[F.col(UNREPRESENTABLE_COLUMN)[n].alias(f"_mr_{n}") for n in names],
-        F.coalesce(F.col("_cdc_unknown"), F.array().cast("array<string>")).alias("_m_unknown"),
-    )
-    lookup_key = [
-        F.when(F.col("_key_change"), F.col(f"_old_key.{q(k)}")).otherwise(F.col(f"_k_{k}")).alias(f"_l_{k}")
-        for k in key_columns
-    ]
-    wanted = source.where(needs).select("*", *lookup_key)
-    condition = [wanted[f"_l_{k}"] == looked_up[f"_m_{k}"] for k in key_columns]
-    found = wanted.join(looked_up, condition, "left")
-    filled: dict[str, Column] = {}  # one withColumns (see apply_changes)
-    unknown, representation = F.col("_unknown"), F.col("_rep")
-    for name in names:
-        flag = F.col(f"_mirror_{name}")
-        filled[name] = F.when(flag, F.col(f"_mv_{name}")).otherwise(F.col(name))
-        # no mirror row, or the mirror does not know the value either: still unknown
-        missing = flag & (F.col(f"_m_{key_columns[0]}").isNull() | F.array_contains("_m_unknown", name))
-        unknown = F.when(missing, F.array_append(unknown, F.lit(name))).otherwise(unknown)
-        carried = F.when(flag & F.col(f"_mr_{name}").isNotNull(), F.create_map(F.lit(name), F.col(f"_mr_{name}")))
-        representation = F.map_concat(representation, F.coalesce(carried, F.create_map().cast("map<string,string>")))
-    found = found.withColumns({**filled, "_unknown": unknown, "_rep": representation}).select(*source.columns)
-    return source.where(~needs).unionByName(found)
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -451,6 +525,11 @@ def check_staged_rows(staging_path: str, windows: Sequence[ChunkWindow]) -> None
     counts = staging.staged_row_counts(staging_path, (w.attempt for w in windows))
     for w in windows:
         found = counts.get((w.attempt, w.chunk), 0)
+        if found != w.rows and w.chunk == FILL_CHUNK:
+            raise StagedRowsMismatch(
+                f"table {w.table}: fill window {w.attempt} recorded {w.rows} staged rows but staging holds {found}: "
+                "its staged rows were deleted; nothing was written"
+            )
         if found != w.rows:
             raise StagedRowsMismatch(
                 f"table {w.table}: chunk {w.chunk}: attempt {w.attempt} recorded {w.rows} staged rows but staging "
@@ -469,9 +548,33 @@ def reconcile(
     windows: Sequence[ChunkWindow],
     chunks: dict[int, Chunk],
 ) -> list[ReconcileResult]:
-    """Reconcile the closable ``windows`` of one table (see module docstring)."""
+    """Reconcile the closable ``windows`` of one table (see module docstring): its chunk windows in one MERGE, its
+    fill window (``FILL_CHUNK``) in another."""
+    fills = [w for w in windows if w.chunk == FILL_CHUNK]
+    results = _reconcile_windows(
+        spark, mirror_path, changelog_path, staging_path, columns, key_columns,
+        [w for w in windows if w.chunk != FILL_CHUNK], chunks,
+    )  # fmt: skip
+    return results + _reconcile_windows(
+        spark, mirror_path, changelog_path, staging_path, columns, key_columns, fills, chunks
+    )
+
+
+def _reconcile_windows(
+    spark: SparkSession,
+    mirror_path: str,
+    changelog_path: str,
+    staging_path: str,
+    columns: Sequence[PgColumn],
+    key_columns: Sequence[str],
+    windows: Sequence[ChunkWindow],
+    chunks: dict[int, Chunk],
+) -> list[ReconcileResult]:
+    """Chunk windows only, or fill windows only: a fill window read rows by key, not a key range, so it has no rows
+    to delete, no range to prune the MERGE's target by, and is never appended."""
     if not windows:
         return []
+    by_key = windows[0].chunk == FILL_CHUNK
     check_staged_rows(staging_path, windows)
     staged_frame = staging.read_staged(spark, staging_path, (w.attempt for w in windows), list(columns))
     # a column the read had but the caller's description lacks (added since the stream run described the table)
@@ -572,16 +675,16 @@ def reconcile(
     in_range = F.lit(None).cast("int")
     any_range = F.lit(False)
     for w in reversed(windows):
-        if w.attempt in truncated:
+        if w.attempt in truncated or by_key:
             continue
         condition = _range_condition(chunks[w.chunk], key_columns, key_types)
         in_range = F.when(condition, F.lit(w.chunk)).otherwise(in_range)
         any_range = any_range | condition
     # the same ranges over the MERGE target: Delta prunes the mirror's files by their key statistics, so a chunk's
     # reconciliation reads the files that can hold its range instead of the whole mirror
-    target_in_ranges = F.lit(False)
+    target_in_ranges = F.lit(by_key)
     for w in windows:
-        if w.attempt not in truncated:
+        if w.attempt not in truncated and not by_key:
             target_in_ranges = target_in_ranges | _range_condition(chunks[w.chunk], key_columns, key_types, "t")
     existing = mirror.toDF().where(any_range)
     existing = existing.select(*[F.col(q(k)) for k in key_columns], in_range.alias("_w_chunk"))
@@ -624,7 +727,7 @@ def reconcile(
                     counts[(w.chunk, "u")] = counts.get((w.chunk, "u"), 0) + w.rows
             if occupied:
                 counts |= {(r["_w_chunk"], "d"): r["count"] for r in vanished.groupBy("_w_chunk").count().collect()}
-        empty = sorted({w.chunk for w in windows if w.attempt not in truncated} - occupied)
+        empty = [] if by_key else sorted({w.chunk for w in windows if w.attempt not in truncated} - occupied)
         if empty and any(counts.get((c, "u"), 0) for c in empty):
             mirror_fields = mirror.toDF().schema.fields
             appended = source.where(F.col("_w_chunk").isin(empty) & (F.col("_kind") == "u"))

@@ -35,7 +35,7 @@ import shutil
 import time
 import uuid
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from functools import cached_property
 from pathlib import Path
@@ -58,15 +58,14 @@ from cdc_assets.engine.batch_bounds import (
 from cdc_assets.engine.chunks import Chunk, ChunkPlan
 from cdc_assets.engine.faults import fault_point, size_fault
 from cdc_assets.engine.lsn import format_lsn
-from cdc_assets.engine.pg_values import PgColumn, arrow_schema, copy_query_to_arrow, spark_schema
-from cdc_assets.engine.windows import RECONCILED, STAGED, ChunkWindow, closable, open_windows
+from cdc_assets.engine.pg_values import PgColumn, arrow_schema, copy_query_to_arrow
+from cdc_assets.engine.windows import FILL_CHUNK, RECONCILED, STAGED, ChunkWindow, closable, open_windows
 from cdc_assets.lake import staging
 from cdc_assets.lake import windows as window_log
 from cdc_assets.lake.layout import SourceLake
 from cdc_assets.lake.mirror import (
     append_changelog,
     apply_changes,
-    fill_unknown,
     reconcile,
 )
 from cdc_assets.lake.spark import DRIVER_MEMORY, default_driver_memory, session_conf
@@ -444,6 +443,7 @@ class PostgresPipeline:
             "publication": self.source.publication,
         }
         per_table: dict[str, dict[str, int]] = {}
+        unknown_keys: dict[str, list[tuple]] = {}
         try:
             progress.phase = "changelog"
             size_fault("stream.batch_over", batch.changes)
@@ -478,8 +478,9 @@ class PostgresPipeline:
                             spark, paths.mirror, changes, columns, table.key_columns, set(spill.unchanged_columns),
                             truncate,
                         )  # fmt: skip
+                        fault_point("stream.after_merge")
                         if unknown:
-                            self._fill_unknown(spark, table, columns, paths.mirror, unknown)
+                            unknown_keys[name] = unknown
                         phases["merge"] = phases.get("merge", 0.0) + time.monotonic() - mark
                     finally:
                         _quietly(changes.unpersist)  # the JVM may be gone: keep the batch's own error
@@ -489,7 +490,9 @@ class PostgresPipeline:
                 }  # fmt: skip
             progress.phase, progress.table = "reconcile", None
             mark = time.monotonic()
-            reconciled, waiting = self._reconcile_closed(spark, batch.applied_lsn)
+            reconciled, waiting, filled = self._reconcile_closed(spark, batch.applied_lsn)
+            # keys still unknown after a fill window closed (their rows were replaced or touched meanwhile) get the next
+            waiting += self._fill_unknown(spark, {**unknown_keys, **dict.fromkeys(filled)})
             phases["reconcile"] = time.monotonic() - mark
             fault_point("stream.after_lake_commit")
         finally:
@@ -513,33 +516,69 @@ class PostgresPipeline:
             bytes=batch.bytes,
         )
 
-    def _fill_unknown(
-        self, spark: SparkSession, table: CapturedTable, columns: list[PgColumn], mirror_path: str, keys: list[tuple]
+    def _fill_unknown(self, spark: SparkSession, wanted: dict[str, list[tuple] | None]) -> int:
+        """Open a fill window per table of ``wanted`` (table -> keys of its mirror rows with unknown unchanged-TOAST
+        values; None: look them up in the mirror) unless the table has one open already (its reconciliation comes
+        first; keys still unknown then get the next one). The number of windows opened.
+
+        A fill window is a watermark window like a chunk's: low watermark, the rows of those keys read with every
+        column the table has now, high watermark; staged and recorded in the window log as chunk ``FILL_CHUNK``.
+        Nothing is written to the mirror here: a value read now is the row's only if no change replaced the row at
+        that key since (the key can have moved on and been reused by another row), which is known only once the
+        stream has passed the high watermark; then ``reconcile`` applies the window by the chunk rule
+        (``cdc_assets.lake.mirror``)."""
+        if not wanted:
+            return 0
+        pending = open_windows(window_log.read_events(spark, self.lake.windows))
+        busy = {w.table for w in pending if w.chunk == FILL_CHUNK}
+        opened = 0
+        for name, keys in sorted(wanted.items()):
+            table = self.tables.get(name)
+            if name in busy or table is None:
+                continue
+            paths = self.lake.table(name)
+            if keys is None:
+                unknown = spark.read.format("delta").load(paths.mirror).where(F.col("_cdc_unknown").isNotNull())
+                keys = [tuple(r) for r in unknown.select(*[F.col(f"`{k}`") for k in table.key_columns]).collect()]
+            if keys:
+                self._open_fill_window(spark, table, paths.staging, keys)
+                opened += 1
+        return opened
+
+    def _open_fill_window(
+        self, spark: SparkSession, table: CapturedTable, staging_path: str, keys: list[tuple]
     ) -> None:
-        """Read the current source rows of keys whose unchanged TOAST values the lake could not know (a read, as a
-        snapshot does), and fill those values into the mirror. Reads the batch's ``columns`` (an added column's
-        value can be unknown too) that the table still has (one dropped since cannot be read; it stays unknown)."""
-        parts: list[pa.Table] = []
+        attempt = f"fill-{uuid.uuid4().hex[:12]}"
         with self.connect() as conn:
-            now = {c.name for c in catalog.with_current_columns(conn, table).columns}
-            readable = replace(table, columns=tuple(c for c in columns if c.name in now))
-            for start in range(0, len(keys), 1000):
-                query = snapshot.rows_by_key_select(readable, keys[start : start + 1000])
-                parts += list(copy_query_to_arrow(conn, query, list(readable.columns)))
-        if parts:
-            # the Arrow table as it is: to_pandas() would turn the _cdc_unrepresentable map into a list of pairs
-            current = spark.createDataFrame(pa.concat_tables(parts), schema=spark_schema(list(readable.columns)))
-            fill_unknown(spark, mirror_path, current, table.key_columns)
+            lw_lsn = snapshot.take_insert_lsn(conn)
+            low_watermark = snapshot.take_low_watermark(conn)  # every read below starts after this
+            readable = catalog.with_current_columns(conn, table)
+            columns = list(readable.columns)
+            parts = (
+                part
+                for start in range(0, len(keys), 1000)
+                for part in copy_query_to_arrow(conn, snapshot.rows_by_key_select(readable, keys[start : start + 1000]),
+                                                columns)
+            )  # fmt: skip
+            rows = staging.write_part(staging_path, attempt, FILL_CHUNK, 0, parts, arrow_schema(columns))
+            high_watermark = snapshot.take_high_watermark(conn)  # after every read finished
+        window = ChunkWindow(table.qualified_name, FILL_CHUNK, attempt, lw_lsn, low_watermark, high_watermark, rows,
+                             datetime.now(UTC))  # fmt: skip
+        window_log.record(spark, self.lake.windows, STAGED, [window])
+        self.lake.mark_waiting(window.table, window.chunk, window.hw)
 
     def _columns(self, table: CapturedTable, added: list[PgColumn]) -> list[PgColumn]:
         known = {c.name for c in table.columns}
         return [*table.columns, *[c for c in added if c.name not in known]]
 
-    def _reconcile_closed(self, spark: SparkSession, applied_lsn: int) -> tuple[list[dict[str, object]], int]:
+    def _reconcile_closed(self, spark: SparkSession, applied_lsn: int) -> tuple[list[dict[str, object]], int, set[str]]:
+        """Reconcile the windows the stream has passed: the chunks reconciled, the windows still open, and the tables
+        whose fill window was reconciled."""
         log_read_at = time.time()
         pending = open_windows(window_log.read_events(spark, self.lake.windows))
         ready = closable(pending, applied_lsn)
         done: list[dict[str, object]] = []
+        filled: set[str] = set()
         by_table: dict[str, list[ChunkWindow]] = {}
         for window in ready:
             by_table.setdefault(window.table, []).append(window)
@@ -562,6 +601,9 @@ class PostgresPipeline:
             window_log.record(spark, self.lake.windows, RECONCILED, windows, counts)
             for r in results:
                 self.lake.clear_waiting(r.table, r.chunk)
+                if r.chunk == FILL_CHUNK:  # not a chunk of the table's asset
+                    filled.add(r.table)
+                    continue
                 done.append(
                     {"table": r.table, "chunk": r.chunk, "event": RECONCILED, "kept": r.kept, "dropped": r.dropped,
                      "deleted": r.deleted}
@@ -572,7 +614,7 @@ class PostgresPipeline:
             if markers.get((window.table, window.chunk)) != window.hw:
                 self.lake.mark_waiting(window.table, window.chunk, window.hw)
         self.lake.clear_stale_markers({(w.table, w.chunk) for w in still_open}, older_than=log_read_at)
-        return done, len(still_open)
+        return done, len(still_open), filled
 
     def partitions(self, table: CapturedTable) -> list[str]:
         """The table's leaf partitions now (none for an ordinary table)."""

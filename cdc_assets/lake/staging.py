@@ -50,7 +50,7 @@ from cdc_assets.lake.spark import session_conf
 
 CHUNK_COLUMN = "_cdc_chunk"
 ATTEMPT_COLUMN = "_cdc_attempt"
-PART_FILE = re.compile(r"chunk-(\d+)-part-(\d+)\.parquet")
+PART_FILE = re.compile(r"chunk-(-?\d+)-part-(\d+)\.parquet")  # a fill window's chunk is -1
 ATTEMPT_FOLDER_PREFIX = f"{ATTEMPT_COLUMN}="
 ATTEMPT_ID = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]*")
 # a partition value like "2024-01-01" or "12" would otherwise be typed as a date or a number

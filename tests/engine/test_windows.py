@@ -8,6 +8,7 @@ import pytest
 
 from cdc_assets.engine.watermark import LowWatermark
 from cdc_assets.engine.windows import (
+    FILL_CHUNK,
     RECONCILED,
     STAGED,
     ChunkWindow,
@@ -54,6 +55,19 @@ def test_closable_once_the_stream_passed_the_high_watermark() -> None:
     assert closable([early, late], 499) == []
     assert closable([early, late], 500) == [early]
     assert closable([early, late], 10_000) == [early, late]
+
+
+def test_a_fill_window_is_a_window_of_its_own_beside_the_chunks() -> None:
+    """A table's fill window (chunk -1) opens and closes like a chunk's, never closes or supersedes a chunk's, and a
+    table has one open at a time (the stream opens the next only after the previous one was reconciled)."""
+    chunk, fill = window(0, "run1", 500), window(FILL_CHUNK, "fill-1", 700, minutes=1)
+    other = window(FILL_CHUNK, "fill-2", 600, table="public.u")
+    events = [WindowEvent(STAGED, chunk), WindowEvent(STAGED, fill), WindowEvent(STAGED, other)]
+    assert open_windows(events) == [fill, chunk, other]
+    assert closable(open_windows(events), 650) == [chunk, other]
+    events += [WindowEvent(RECONCILED, fill)]
+    assert open_windows(events) == [chunk, other]
+    assert finished_attempts(events) == {"public.t": {"fill-1"}}
 
 
 def test_unknown_event_is_refused() -> None:

@@ -1,14 +1,16 @@
-"""``fill_unknown`` on a real Delta mirror: only the unknown columns the source row carries are filled; an unknown
-column it lacks (dropped at the source since) stays named in ``_cdc_unknown``, never a NULL placeholder."""
+"""``fill_assignments`` (the ``'f'`` rows of a reconciliation) in a MERGE on a real Delta mirror: only the unknown
+columns the source row carries are filled; an unknown column it lacks (dropped at the source since) stays named in
+``_cdc_unknown``, never a NULL placeholder."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from delta.tables import DeltaTable
 from pyspark.sql import types as T
 
 from cdc_assets.engine.pg_values import UNREPRESENTABLE_COLUMN
-from cdc_assets.lake.mirror import META_FIELDS, fill_unknown
+from cdc_assets.lake.mirror import META_FIELDS, fill_assignments
 
 TEXT_MAP = T.MapType(T.StringType(), T.StringType())
 
@@ -38,7 +40,10 @@ def test_fill_clears_only_the_columns_it_read(spark, tmp_path: Path) -> None:
         [(1, "read-b1", "newer-t1", None), (2, "read-b2", "newer-t2", None), (3, "read-b3", "newer-t3", None)],
         current_schema,
     )
-    fill_unknown(spark, path, current, ["id"])
+    names = [f.name for f in read_fields]
+    DeltaTable.forPath(spark, path).alias("t").merge(current.alias("s"), "t.id = s.id").whenMatchedUpdate(
+        condition="t._cdc_unknown is not null", set=fill_assignments(["id", *names])
+    ).execute()
     after = {r["id"]: r for r in spark.read.format("delta").load(path).collect()}
     assert (after[1]["body"], after[1]["gone"], after[1]["title"], after[1]["_cdc_unknown"]) == (
         "read-b1", None, "kept", ["gone"]
