@@ -7,9 +7,9 @@ local mode: the driver is the executor, so this heap bounds every task) defaults
 quarter of the machine's memory (or of the container's limit, cgroup v1 or v2), at least 1g, at most 16g;
 ``spark.conf`` in ``cdc.yaml`` overrides it. Beside the heap the JVM holds direct buffers (its default cap: the
 heap size again): parquet-mr's Snappy codecs grow them to each page they compress (a page of one 100 MB value: ~220
-MB) and free them only when a full collection finds them. Parquet writers
-check their buffered size from the first row on (``parquet.page.size.row.check.min`` = 1; parquet-mr's
-default 100 rows buffers 100 values before it looks, 1 GB of 10 MB values), so a page of big values is cut by bytes
+MB) and free them only when a full collection finds them. Parquet writers check their buffered size after every
+row (``parquet.page.size.row.check.min`` = 1, no estimate of the next check; parquet-mr's defaults buffer 100 values
+before they look, 1 GB of 10 MB values, and after small rows up to 10000), so a page of big values is cut by bytes
 (a row group is cut by its compressed size: ``cdc_assets.lake.pipeline.big_batch_conf`` makes those small for rows
 of big values). ``remote`` connects to a Spark Connect server instead of starting a driver. A local driver loads the
 Delta jars that ``scripts/setup.sh`` fetched with Maven into ``.jars/`` (or the folder named by ``CDC_JARS_DIR``);
@@ -49,8 +49,16 @@ BASE_CONF: dict[str, str] = {
     # (bench.stream, 50k-row mirror, 10 batches of 8k changes: 71.3 s with 100 entries, 54-58 s with 2000)
     "spark.sql.codegen.cache.maxEntries": "2000",
     "spark.driver.extraJavaOptions": f"{DERBY_OPTION} -XX:+UseParallelGC",
-    # Parquet writers (the changelog, the mirror) cut pages and row groups by bytes from the first row on
+    # Parquet writers (the changelog, the mirror) cut pages and row groups by bytes from the first row on, and look
+    # after every row: parquet-mr's default estimate puts the next page check where the rows so far, at their average
+    # size, would fill a page (halved, up to 10000 rows on), so big values after small rows (a changelog's or a
+    # MERGE's file) could make pages of many big values (a direct-memory cap once failed on a 698 MB page), which its
+    # Snappy codec copies into direct buffers of the page's size that only a full collection frees (two single
+    # 2.1-2.2 GB allocations seen). The row-group check always estimates: at most 10 rows on.
+    # The big-value stream test's JVM peaked at 10.8 GB without these two, 7.2-7.3 GB with them (6 GB heap).
     "spark.hadoop.parquet.page.size.row.check.min": "1",
+    "spark.hadoop.parquet.page.size.check.estimate": "false",
+    "spark.hadoop.parquet.page.size.row.check.max": "10",
 }
 DRIVER_MEMORY = "spark.driver.memory"
 DRIVER_MEMORY_FLOOR_MB = 1024
@@ -103,6 +111,9 @@ def spark_session(config: SparkConfig) -> SparkSession:
         return builder.getOrCreate()
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
+    # the driver's JVM (spark-submit, started from here) with two glibc malloc arenas instead of 8 per core, as Hadoop
+    # and YARN set it: the big-value stream test's JVM peaked at 6.9 GB with it, 7.2-7.3 GB without (two runs each)
+    os.environ.setdefault("MALLOC_ARENA_MAX", "2")
     builder = SparkSession.builder.master(config.master).appName("cdc-lake")
     conf = {**BASE_CONF, DRIVER_MEMORY: default_driver_memory(), "spark.jars": ",".join(delta_jars()), **config.conf}
     for key, value in conf.items():
