@@ -8,7 +8,8 @@ Contract (pure: no Spark, no database; ``cdc_assets.lake.pipeline`` stores the s
   (None: not known, e.g. the process died before it said) failed: the next batch reads at most half of what the
   failed one held and at most half of its bounds, never less than 1 (one transaction). So repeated failures of
   one oversized batch end, after at most log2(bound) attempts, at one transaction per batch: the stream never
-  stops on a batch that a smaller one would have carried.
+  stops on a batch that a smaller one would have carried. A batch that held no change keeps its bounds (its failure
+  came from elsewhere, e.g. a window's reconciliation: halving to one change would only slow the stream down).
 - ``after_success(bounds, configured, cut)``: a batch succeeded. When a bound cut it (``cut``: more was waiting),
   the bounds double, up to the configured ones (``failures`` back to 0): growing back by doubling, not at once, so
   a backlog that fails at the configured size does not fail every other batch. When no bound cut it (it read all
@@ -58,6 +59,8 @@ class BatchBounds:
 
 
 def after_failure(bounds: BatchBounds, changes: int | None, bytes_: int | None, reason: str) -> BatchBounds:
+    if changes == 0:  # it held no change (it failed reconciling or reading): a smaller batch would change nothing
+        return BatchBounds(bounds.max_changes, bounds.max_bytes, bounds.failures + 1, reason)
     held_changes = bounds.max_changes if changes is None else min(bounds.max_changes, max(changes, 1))
     held_bytes = bounds.max_bytes if bytes_ is None else min(bounds.max_bytes, max(bytes_, 1))
     return BatchBounds(

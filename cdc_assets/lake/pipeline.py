@@ -64,6 +64,7 @@ from cdc_assets.lake import staging
 from cdc_assets.lake import windows as window_log
 from cdc_assets.lake.layout import SourceLake
 from cdc_assets.lake.mirror import (
+    StagedRowsMismatch,
     append_changelog,
     apply_changes,
     reconcile,
@@ -366,6 +367,9 @@ class PostgresPipeline:
         except BaseException as error:
             if not isinstance(error, Exception):  # KeyboardInterrupt, SystemExit: not the batch's fault
                 raise
+            if isinstance(error, StagedRowsMismatch | stream.SchemaChangeError):
+                self.store_bounds(bounds)  # no longer in flight, bounds unchanged: a smaller batch fails the same way
+                raise  # its own message names the table and the fix
             cause = failure_cause(error)
             shrunk = after_failure(bounds, progress.changes, progress.bytes, cause)
             self.store_bounds(shrunk)

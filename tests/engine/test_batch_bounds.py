@@ -58,3 +58,10 @@ def test_stored_bounds_never_exceed_the_configured_ones_and_bad_values_fall_back
     assert BatchBounds.from_json(CONFIGURED.to_json(), lower) == lower
     garbage = {"max_changes": "many", "max_bytes": -3, "failures": None, "reason": 7, "in_flight": []}
     assert BatchBounds.from_json(garbage, CONFIGURED) == CONFIGURED
+
+
+def test_a_failed_batch_that_held_no_change_keeps_its_bounds() -> None:
+    configured = BatchBounds(max_changes=1000, max_bytes=1 << 20)
+    failed = after_failure(configured, 0, 0, "a window's staged rows were deleted")
+    assert (failed.max_changes, failed.max_bytes, failed.failures) == (1000, 1 << 20, 1)
+    assert failed.reason == "a window's staged rows were deleted"
