@@ -360,13 +360,14 @@ class PostgresPipeline:
         bounds = self.batch_bounds()
         if bounds.in_flight is not None:  # the previous batch's process died while it wrote the lake
             bounds = recover_in_flight(bounds)
-        self.store_bounds(with_in_flight(bounds, bounds.max_changes, bounds.max_bytes))
-        progress = _BatchProgress()
+        progress = _BatchProgress()  # in flight is recorded once the read returned (nothing is written before it)
         try:
             report = self._stream_batch(spark, recorded_lsn, batch_id, spill_dir, bounds, progress, started)
         except BaseException as error:
             if not isinstance(error, Exception):  # KeyboardInterrupt, SystemExit: not the batch's fault
                 raise
+            if isinstance(error, SourceError):
+                raise  # the source refused or is unreachable: its message names the setting; nothing was written
             if isinstance(error, StagedRowsMismatch | stream.SchemaChangeError):
                 self.store_bounds(bounds)  # no longer in flight, bounds unchanged: a smaller batch fails the same way
                 raise  # its own message names the table and the fix
