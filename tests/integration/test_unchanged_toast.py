@@ -11,7 +11,6 @@ reused 40 s later, while the batch was still being applied, or re-run after it d
 
 from __future__ import annotations
 
-import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -22,10 +21,8 @@ from psycopg import sql
 from pyspark.sql import functions as F
 
 import cdc_assets.lake.pipeline as pipeline_module
-from cdc_assets.engine.lsn import parse_lsn
 from cdc_assets.lake.pipeline import PostgresPipeline
 from cdc_assets.postgres import stream as stream_module
-from cdc_assets.postgres.stream import current_flush_lsn
 from tests.integration.support import (
     READER_PASSWORD,
     drop_source,
@@ -33,6 +30,7 @@ from tests.integration.support import (
     pipeline_config,
     source_rows,
 )
+from tests.integration.test_pipeline_guarantees import catch_up, stream_once
 
 DATABASE = "pipe_toast"
 SEEDED = 40
@@ -124,24 +122,6 @@ def source(postgres_server: dict[str, str], tmp_path: Path):
     finally:
         admin.close()
         drop_source(admin_dsn, DATABASE)
-
-
-def stream_once(pipeline: PostgresPipeline, spark, recorded: int | None) -> tuple[int, object]:
-    report = pipeline.stream_batch(spark, recorded, "test")
-    lsn = parse_lsn(str(report.offset["lsn"]))  # "recorded", then the slot follows
-    pipeline.acknowledge(lsn)
-    return lsn, report
-
-
-def catch_up(pipeline: PostgresPipeline, spark, recorded: int | None, rounds: int = 20) -> int | None:
-    with pipeline.connect() as conn:
-        target = current_flush_lsn(conn)
-    for _ in range(rounds):
-        recorded, report = stream_once(pipeline, spark, recorded)
-        if recorded >= target and report.waiting_windows == 0 and report.changes == 0:
-            return recorded
-        time.sleep(0.3)
-    raise AssertionError(f"stream did not catch up in {rounds} batches: last {report}")
 
 
 def snapshot_all(pipeline: PostgresPipeline, spark) -> int | None:
