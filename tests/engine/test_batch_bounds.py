@@ -43,14 +43,32 @@ def test_successes_double_the_bounds_back_while_batches_are_cut_and_restore_them
     assert after_success(bounds, CONFIGURED, cut=False) == CONFIGURED  # it read all there was
 
 
-def test_a_batch_in_flight_when_its_process_died_counts_as_failed() -> None:
+def test_a_batch_whose_process_died_is_retried_once_at_its_bounds_then_halved() -> None:
     marked = with_in_flight(CONFIGURED, changes=800, bytes_=64 << 20)
     stored = BatchBounds.from_json(marked.to_json(), CONFIGURED)
     assert stored.in_flight == {"changes": 800, "bytes": 64 << 20}
-    recovered = recover_in_flight(stored)
-    assert (recovered.max_changes, recovered.max_bytes, recovered.failures) == (400, 32 << 20, 1)
-    assert recovered.in_flight is None and "died" in (recovered.reason or "")
+    retried = recover_in_flight(stored)  # a death alone may be an operator's kill: the same bounds once more
+    assert (retried.max_changes, retried.max_bytes, retried.failures) == (CONFIGURED.max_changes,
+                                                                          CONFIGURED.max_bytes, 1)  # fmt: skip
+    assert retried.in_flight is None and "died" in (retried.reason or "")
+    died_again = recover_in_flight(with_in_flight(retried, changes=800, bytes_=64 << 20))
+    assert (died_again.max_changes, died_again.max_bytes, died_again.failures) == (400, 32 << 20, 2)
     assert recover_in_flight(CONFIGURED) == CONFIGURED
+
+
+def test_deaths_at_random_between_successes_never_shrink_the_bounds() -> None:
+    bounds = CONFIGURED
+    for _ in range(50):  # every other batch killed: each death is followed by a success
+        bounds = recover_in_flight(with_in_flight(bounds, changes=300, bytes_=1 << 20))
+        assert not bounds.shrunk(CONFIGURED)
+        bounds = after_success(bounds, CONFIGURED, cut=True)
+    assert bounds == CONFIGURED
+
+
+def test_a_death_after_a_failed_batch_halves_at_once() -> None:
+    failed = after_failure(CONFIGURED, 1000, 100 << 20, "heap")
+    died = recover_in_flight(with_in_flight(failed, changes=500, bytes_=50 << 20))
+    assert (died.max_changes, died.max_bytes, died.failures) == (250, 25 << 20, 2)
 
 
 def test_stored_bounds_never_exceed_the_configured_ones_and_bad_values_fall_back() -> None:
