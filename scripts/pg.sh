@@ -43,7 +43,15 @@ CONF
       echo "host replication all 127.0.0.1/32 scram-sha-256" >> "$DATA/pg_hba.conf"
     fi
     if ! as_pg "$BIN/pg_ctl" -D "$DATA" status >/dev/null 2>&1; then
-      as_pg "$BIN/pg_ctl" -D "$DATA" -l "$STATE/server.log" -w -t 60 start >/dev/null
+      # the port on the command line: the one in postgresql.conf is the port of the cluster's first start
+      as_pg "$BIN/pg_ctl" -D "$DATA" -l "$STATE/server.log" -o "-p $PORT" -w -t 60 start >/dev/null
+    else
+      RUNNING_PORT="$(sed -n 4p "$DATA/postmaster.pid")"
+      if [ "$RUNNING_PORT" != "$PORT" ]; then
+        echo "postgresql of $STATE is already running on port $RUNNING_PORT, not CDC_PG_PORT=$PORT:" \
+          "run 'scripts/pg.sh stop' (or set CDC_PG_PORT=$RUNNING_PORT)" >&2
+        exit 1
+      fi
     fi
     echo "postgresql running on 127.0.0.1:$PORT (socket $SOCK)"
     ;;

@@ -4,17 +4,21 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import threading
 import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import UTC, datetime
 from pathlib import Path
 
 import psycopg
 import pytest
 from dagster import (
-    AssetCheckKey,
     AssetKey,
     DagsterInstance,
     DagsterRunStatus,
@@ -23,7 +27,7 @@ from dagster import (
     instance_for_test,
     materialize,
 )
-from dagster._core.storage.asset_check_execution_record import AssetCheckExecutionRecordStatus
+from dagster._core.instance.ref import InstanceRef
 
 from cdc_assets.assets import recorded_offset, stream_asset_key
 from cdc_assets.build import build_definitions
@@ -447,13 +451,93 @@ def test_a_failed_batch_is_retried_smaller_and_the_run_log_says_so(config_path, 
     assert materialize([stream_asset], resources=defs.resources, instance=instance).success
 
 
-def test_the_stream_sensor_records_lag_and_fails_the_lag_check_while_the_stream_stands_still(config_path) -> None:
+LAG_QUERY = """
+query Lag($key: AssetKeyInput!) {
+  assetOrError(assetKey: $key) {
+    __typename
+    ... on Asset {
+      assetObservations(limit: 10) {
+        timestamp
+        metadataEntries {
+          label
+          ... on IntMetadataEntry { intValue }
+          ... on FloatMetadataEntry { floatValue }
+        }
+      }
+    }
+  }
+  assetCheckExecutions(assetKey: $key, checkName: "lag_within_bound", limit: 5) {
+    status
+    evaluation { success description }
+  }
+}
+"""
+
+
+def graphql(port: int, query: str, variables: dict[str, object] | None = None) -> dict:
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}/graphql",
+        data=json.dumps({"query": query, "variables": variables or {}}).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=60) as response:
+        body = json.load(response)
+    assert not body.get("errors"), body
+    return body["data"]
+
+
+@contextmanager
+def webserver(home: Path, config: Path) -> Iterator[int]:
+    """``dagster-webserver`` (what ``dagster dev`` serves the UI with) on ``home``'s instance and the project's root
+    ``Definitions`` built from ``config``; yields its port once the code location loaded."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = {**os.environ, "DAGSTER_HOME": str(home), "CDC_CONFIG": str(config)}
+    command = [sys.executable, "-m", "dagster_webserver", "-h", "127.0.0.1", "-p", str(port),
+               "-m", "cdc_assets.definitions"]  # fmt: skip
+    log = (home / "webserver.log").open("w")
+    process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            assert process.poll() is None, (home / "webserver.log").read_text()[-4000:]
+            assert time.monotonic() < deadline, (home / "webserver.log").read_text()[-4000:]
+            try:
+                entries = graphql(
+                    port,
+                    "{ workspaceOrError { ... on Workspace { locationEntries { "
+                    "locationOrLoadError { __typename } } } } }",
+                )["workspaceOrError"]["locationEntries"]
+            except (OSError, urllib.error.URLError):
+                entries = []
+            if entries and all(e["locationOrLoadError"] for e in entries):
+                assert [e["locationOrLoadError"]["__typename"] for e in entries] == ["RepositoryLocation"], entries
+                break
+            time.sleep(1)
+        yield port
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+        log.close()
+
+
+def test_the_stream_sensor_records_lag_and_fails_the_lag_check_while_the_stream_stands_still(
+    config_path, tmp_path
+) -> None:
+    """The sensor's lag observations and its failing lag check, read back through the UI's GraphQL API from a
+    ``dagster-webserver`` on the same instance: what the stream asset's page plots and shows."""
     path, admin_dsn = config_path
-    defs = build_definitions(stream_config(path, "max_lag_alert_seconds: 2", "cdc-lag.yaml"))
+    config = stream_config(path, "max_lag_alert_seconds: 2", "cdc-lag.yaml")
+    defs = build_definitions(config)
     sensor = defs.get_sensor_def("defs_stream_sensor")
-    instance = DagsterInstance.ephemeral()
+    home = tmp_path / "dagster_home"
+    home.mkdir()
+    instance = DagsterInstance.from_ref(InstanceRef.from_dir(str(home)))
     dsn = f"{admin_dsn} dbname={DATABASE}"
-    ticks = []
     with psycopg.connect(dsn, autocommit=True) as admin:  # no stream run: the slot stands still, writes go on
         admin.execute("set synchronous_commit = on")
         for i in range(2):
@@ -463,15 +547,20 @@ def test_the_stream_sensor_records_lag_and_fails_the_lag_check_while_the_stream_
             assert result.run_requests  # a run would be requested; none runs
             for event in result.asset_events:  # what the daemon stores for a sensor's asset events
                 instance.report_runless_asset_event(event)
-            ticks.append(result)
             time.sleep(3)
-    observations = instance.fetch_observations(stream_asset_key("defs"), limit=10, ascending=True).records
-    lags = [(r.asset_observation.metadata["lag_bytes"].value, r.asset_observation.metadata["lag_seconds"].value)
-            for r in observations]  # fmt: skip
-    assert len(lags) == 2 and lags[1][0] > lags[0][0] and lags[1][1] > lags[0][1] > 0
-    check = AssetCheckKey(stream_asset_key("defs"), "lag_within_bound")
-    history = instance.event_log_storage.get_asset_check_execution_history(check, limit=10)
-    statuses = [record.status for record in history]  # newest first
-    assert statuses[0] == AssetCheckExecutionRecordStatus.FAILED
-    evaluation = history[0].event.dagster_event.event_specific_data
-    assert "max_lag_alert_seconds=2" in (evaluation.description or "")
+    instance.dispose()
+    key = stream_asset_key("defs")
+    with webserver(home, config) as port:
+        data = graphql(port, LAG_QUERY, {"key": {"path": key.path}})
+    asset = data["assetOrError"]
+    assert asset["__typename"] == "Asset", asset
+    observations = sorted(asset["assetObservations"], key=lambda o: float(o["timestamp"]))
+    lags = []
+    for observation in observations:
+        entries = {e["label"]: e.get("intValue", e.get("floatValue")) for e in observation["metadataEntries"]}
+        lags.append((int(entries["lag_bytes"]), float(entries["lag_seconds"])))
+    assert len(lags) == 2 and lags[1][0] > lags[0][0] and lags[1][1] > lags[0][1] > 0, lags
+    executions = data["assetCheckExecutions"]  # newest first
+    assert executions and executions[0]["status"] == "FAILED", executions
+    evaluation = executions[0]["evaluation"]
+    assert evaluation["success"] is False and "max_lag_alert_seconds=2" in (evaluation["description"] or "")
