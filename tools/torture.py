@@ -718,6 +718,8 @@ class SeedRun:
                 f"changes={verdict['changes'] if verdict else '?'} transactions={self.ctx.tally.transactions} "
                 f"faults={sum(self.faults.values())}{f' ({faults})' if faults else ''} errors={len(self.errors)}"
             )
+            if verdict is not None:
+                summary += f" largest_value={verdict['largest_value']}"
             if self.pool.patches:
                 summary += f" patched={','.join(sorted(self.pool.patches))}"
         seconds = time.monotonic() - started

@@ -15,7 +15,8 @@ Contract
 - **Workload** (admin sessions, ``synchronous_commit = on``): writer threads doing inserts, updates, deletes,
   primary-key updates (keys move between chunks), delete-then-reinsert in one transaction and across two,
   SAVEPOINT + ROLLBACK TO, multi-row updates, TOAST updates and TOAST left unchanged, chains of primary-key updates
-  leaving a TOAST value (now and then 100k-400k characters) unchanged with the freed keys reused at once by new
+  leaving a TOAST value (now and then 100k-400k characters, rarely 1-3 MB; ``blob`` now and then 1-2 MB of bytea;
+  two seeded rows hold a 2-3 MB ``body`` and a 1-2 MB ``blob``) unchanged with the freed keys reused at once by new
   rows, in one transaction and across several (issue 24); a thread of long
   transactions spanning many chunk windows (committed or rolled back). Schema events: ``ALTER TABLE ADD COLUMN``
   (twice) and ``TRUNCATE`` (with re-inserts in the same transaction or the next). A statement that fails as
@@ -195,7 +196,9 @@ def g_bytea(r: random.Random) -> str:
 
 
 def g_big_bytea(r: random.Random) -> str:
-    return "\\x" + r.randbytes(r.choice([0, 10, 3000, 12000])).hex()
+    # now and then a value of a few MB (issue 23: values of any size stream through)
+    size = r.randrange(1 << 20, 2 << 20) if r.random() < 0.01 else r.choice([0, 10, 3000, 12000])
+    return "\\x" + r.randbytes(size).hex()
 
 
 def g_text_array(r: random.Random) -> str:
@@ -216,8 +219,15 @@ BODY_ALPHABET = "abcdefghijklmnopqrstuvwxyz ABCDEFGHIJ0123456789.,;\n\"'\\éü�
 
 
 def g_body(r: random.Random) -> str:
-    # TOAST-sized, stored external; now and then a large one (the issue's row carried 400,000 characters)
-    size = r.randrange(100_000, 400_000) if r.random() < 0.02 else r.randrange(3000, 30000)
+    # TOAST-sized, stored external; now and then a large one (issue 24's row carried 400,000 characters), rarely
+    # one of a few MB (issue 23)
+    draw = r.random()
+    if draw < 0.005:
+        size = r.randrange(1_000_000, 3_000_000)
+    elif draw < 0.02:
+        size = r.randrange(100_000, 400_000)
+    else:
+        size = r.randrange(3000, 30000)
     return "".join(r.choices(BODY_ALPHABET, k=size))
 
 
@@ -402,6 +412,10 @@ def create_database(cluster: Cluster, database: str, r: random.Random, rows: dic
                     else:
                         key = (g_uuid(r),)
                     values.append([*key, *[c.gen(r) for c in spec.columns]])
+                if name == "uuid_docs" and len(values) >= 2:  # every seed holds values of a few MB (issue 23)
+                    at = {c.name: len(spec.key) + i for i, c in enumerate(spec.columns)}
+                    values[0][at["body"]] = "".join(r.choices(BODY_ALPHABET, k=r.randrange(2_000_000, 3_000_000)))
+                    values[1][at["blob"]] = "\\x" + r.randbytes(r.randrange(1 << 20, 2 << 20)).hex()
                 cur.executemany(statement, values)
         conn.execute(sql.SQL("grant select on all tables in schema public to {}").format(sql.Identifier(role)))
         conn.execute("analyze")
@@ -821,6 +835,12 @@ def mirror_rows(frame: Any, names: list[str]) -> set[tuple]:
     return _as_tuples(selected.toArrow().to_pylist(), names)
 
 
+def largest_value(row: tuple) -> int:
+    """Bytes of a row's largest text or bytea value (text as UTF-8)."""
+    sizes = [len(v.encode()) if isinstance(v, str) else len(v) for v in row if isinstance(v, str | bytes)]
+    return max(sizes, default=0)
+
+
 def verify(spark: Any, spec: Mapping[str, Any], admin_dsn: str, oracle_start: int) -> VerifyResult:
     """Mirrors against sources, changelogs against duplicates and against the oracle slot (module docstring)."""
     from pyspark.sql import functions as F
@@ -835,6 +855,7 @@ def verify(spark: Any, spec: Mapping[str, Any], admin_dsn: str, oracle_start: in
     tables = pipeline.prepare()  # re-described: columns added during the run are compared too
     failures: list[str] = []
     total = 0
+    largest = 0
     decoded_totals: dict[str, int] = {}
     oracle = oracle_changes(admin_dsn, f"{source.name}_oracle", oracle_start)
     for name, table in sorted(tables.items()):
@@ -855,6 +876,7 @@ def verify(spark: Any, spec: Mapping[str, Any], admin_dsn: str, oracle_start: in
                     )
                 mirror[key] = row
             expected = {tuple(row[i] for i in key_at): row for row in source_rows(source, table)}
+            largest = max([largest, *(largest_value(row) for row in expected.values())])
             difference = compare_rows(name, [*names, UNREPRESENTABLE_COLUMN], mirror, expected)
             if difference is not None:
                 failures.append(difference)
@@ -894,7 +916,7 @@ def verify(spark: Any, spec: Mapping[str, Any], admin_dsn: str, oracle_start: in
                     f"{sum(log_counts.values())} vs {sum(decoded.values())} in total)"
                 )
                 break
-    return {"failures": failures, "changes": total, "decoded": decoded_totals}
+    return {"failures": failures, "changes": total, "decoded": decoded_totals, "largest_value": largest}
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -71,6 +71,7 @@ class VerifyResult(TypedDict):
     failures: list[str]  # the first one fails the seed
     changes: int  # changelog rows checked
     decoded: dict[str, int]  # per table: the changes the source's own log reports (checked against the ``Tally``)
+    largest_value: int  # bytes of the largest value the source held at the end (the mirror equals it)
 
 
 class SeedSource(Protocol):
