@@ -10,31 +10,44 @@ import psycopg
 import pytest
 
 from tests.integration.support import ABSENT_STANDBY, PG_PORT, PG_SOCKET
-from tests.tools.torture_support import BackgroundRun, start_broken_run
+from tests.tools.torture_support import BackgroundRun, start_broken_run, start_faulted_run
 
 ROOT = Path(__file__).resolve().parents[1]
 BROKEN_TORTURE_RUN = pytest.StashKey[BackgroundRun]()
+FAULTED_TORTURE_RUN = pytest.StashKey[BackgroundRun]()
+BACKGROUND_RUNS = {  # fixture -> (stash key, start, work dir)
+    "broken_torture_run": (BROKEN_TORTURE_RUN, start_broken_run, ROOT / ".state" / "torture-broken-run"),
+    "faulted_torture_run": (FAULTED_TORTURE_RUN, start_faulted_run, ROOT / ".state" / "torture-faulted-run"),
+}
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
-    """Start the broken-reconciliation torture run now when a selected test uses it (see
-    ``tests/tools/torture_support.py``): it then runs beside the tests collected before it."""
+    """Start the torture runs now whose tests were selected (see ``tests/tools/torture_support.py``): they then run
+    beside the tests collected before them."""
     if session.config.option.collectonly:
         return
-    if any("broken_torture_run" in getattr(item, "fixturenames", ()) for item in session.items):
-        session.config.stash[BROKEN_TORTURE_RUN] = start_broken_run(ROOT / ".state" / "torture-broken-run")
+    for fixture, (key, start, work_dir) in BACKGROUND_RUNS.items():
+        if any(fixture in getattr(item, "fixturenames", ()) for item in session.items):
+            session.config.stash[key] = start(work_dir)
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
-    run = session.config.stash.get(BROKEN_TORTURE_RUN, None)
-    if run is not None:
-        run.stop()
+    for key, _, _ in BACKGROUND_RUNS.values():
+        run = session.config.stash.get(key, None)
+        if run is not None:
+            run.stop()
 
 
 @pytest.fixture(scope="session")
 def broken_torture_run(request: pytest.FixtureRequest) -> BackgroundRun:
     """The background ``--broken-reconciliation`` run started at collection."""
     return request.config.stash[BROKEN_TORTURE_RUN]
+
+
+@pytest.fixture(scope="session")
+def faulted_torture_run(request: pytest.FixtureRequest) -> BackgroundRun:
+    """The background run with faults started at collection."""
+    return request.config.stash[FAULTED_TORTURE_RUN]
 
 
 @pytest.fixture(scope="session")

@@ -1,8 +1,10 @@
 """The torture harness's short form as the test suite runs it (``tools/torture.py``, issue #3).
 
-The broken-reconciliation run (seed 903) is started by ``tests/conftest.py`` as soon as collection selected its test,
-in the background on its own cluster (port 54341): it is one Spark driver's planning and compiling, about one core
-of two, and the integration tests before it use one core too, so it runs beside them instead of after them.
+Both runs, the faulted one (seed 901, port 54340) and the broken-reconciliation one (seed 903, port 54341), are
+started by ``tests/conftest.py`` as soon as collection selected their tests, in the background, each on its own
+cluster: each is mostly one Spark driver's planning and compiling, and the integration tests before them leave
+much of the two cores idle (they wait on the database, on batches, on JVM starts), so they run beside them instead
+of after them (the faulted run alone took 5 to 9 minutes after the other tests).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SHORT = ["--duration", "20", "--scale", "0.3", "--rate", "8", "--drop-failed"]
 TIMEOUT = 2700
 BROKEN_SEED = 903
+FAULTED_SEED = 901
 
 
 def torture_command(work_dir: Path, *args: str) -> list[str]:
@@ -53,15 +56,28 @@ class BackgroundRun:
                 self.process.wait()
 
 
-def start_broken_run(work_dir: Path) -> BackgroundRun:
-    """Start ``--broken-reconciliation`` on seed 903 (no faults) in the background; output in ``work_dir``."""
+def start_run(work_dir: Path, *args: str) -> BackgroundRun:
+    """Start the short form with ``args`` in the background; output and lakes in ``work_dir``."""
     shutil.rmtree(work_dir, ignore_errors=True)
     work_dir.mkdir(parents=True)
     output = work_dir / "output.txt"
-    command = torture_command(
+    with output.open("wb") as sink:
+        process = subprocess.Popen(torture_command(work_dir, *args), cwd=ROOT, stdout=sink, stderr=subprocess.STDOUT)
+    return BackgroundRun(process, work_dir, output)
+
+
+def start_faulted_run(work_dir: Path) -> BackgroundRun:
+    """Start seed 901 with faults in the background, on its own cluster (port 54340), not the long form's default
+    (port 54339), so a long-form run beside the suite is no clash."""
+    return start_run(
+        work_dir, "--seeds", str(FAULTED_SEED), "--pg-port", "54340",
+        "--pg-state", str(ROOT / ".state" / "torture-pg-short"),
+    )  # fmt: skip
+
+
+def start_broken_run(work_dir: Path) -> BackgroundRun:
+    """Start ``--broken-reconciliation`` on seed 903 (no faults) in the background; output in ``work_dir``."""
+    return start_run(
         work_dir, "--seeds", str(BROKEN_SEED), "--no-faults", "--broken-reconciliation",
         "--pg-port", "54341", "--pg-state", str(ROOT / ".state" / "torture-pg-broken"),
     )  # fmt: skip
-    with output.open("wb") as sink:
-        process = subprocess.Popen(command, cwd=ROOT, stdout=sink, stderr=subprocess.STDOUT)
-    return BackgroundRun(process, work_dir, output)
