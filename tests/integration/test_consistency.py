@@ -190,7 +190,7 @@ def test_left_out_keys_are_those_of_one_changelog_version_while_the_stream_appen
 def test_columns_added_after_the_run_described_the_table_are_checked_and_a_default_is_repaired(source, spark) -> None:
     """The check compares the columns the table has at its low watermark, not those the run described: a column
     added without a default, that no write has brought to the mirror yet, matches (NULL on both sides); one added
-    with a ``DEFAULT``, which no change carries to rows written before it (README, Known limits), is reported for
+    with a ``DEFAULT``, which no change carries to rows written before it (docs/known-limits.md), is reported for
     every chunk holding such rows, and re-materializing those chunks (a run that described the table before the
     column existed) repairs them."""
     admin_dsn, config = source

@@ -237,7 +237,7 @@ def test_planner_requests_initial_snapshot_runs_without_the_chunk_checks(config_
 
 
 def test_planner_reads_every_chunk_again_when_a_column_with_a_default_is_added(config_path) -> None:
-    """No change carries an added column's DEFAULT to older rows (README, Known limits): the planner sees the new
+    """No change carries an added column's DEFAULT to older rows (docs/known-limits.md): the planner sees the new
     column in the catalog (its cursor holds the columns it saw) and requests a snapshot of every chunk of the
     table, once. A column added without a default needs none."""
     path, admin_dsn = config_path

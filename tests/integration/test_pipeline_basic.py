@@ -116,7 +116,7 @@ def test_schema_changes_reach_the_mirror_whatever_description_the_stream_run_has
         else:
             assert row["label"] == "l" + key[1][1:], f"{key}: nothing wrote it since the drop, label {row['label']!r}"
     # rows written since the changes equal the source in every column it has now (the others cannot know the
-    # default: no change of theirs is in the WAL, see README "Known limits")
+    # default: no change of theirs is in the WAL, see docs/known-limits.md)
     expected = source_rows(config.sources[0], after.tables["public.pairs"])
     mirrored = mirror_rows(spark, after.lake.table("public.pairs").mirror, after.tables["public.pairs"])
     assert {r for r in mirrored if r[:2] in written_after_drop} == {r for r in expected if r[:2] in written_after_drop}

@@ -12,7 +12,7 @@ Seeds 901 and 903 keep these databases apart from manual runs (``torture_<seed>`
 both start in the background as soon as collection selected their tests (``tests/conftest.py``, see
 ``torture_support``), each on its own cluster (ports 54340 and 54341: the faulted run's source restart must not
 touch the other run). Each run takes three to nine minutes on a 2-core machine; the long form (``--seeds 1-100``)
-is a command, its last result is in the README. Every seed holds values of a few MB (issue 23): the faulted run's
+is a command, its last results are in docs/torture.md. Every seed holds values of a few MB (issue 23): the faulted run's
 source still holds one of at least 1 MB at the end, and its mirror equals it.
 """
 
