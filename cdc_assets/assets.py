@@ -108,7 +108,7 @@ def build_table_asset(source: SourceConfig, qualified_name: str) -> AssetsDefini
         if table is None:
             raise ValueError(f"source {source.name!r}: table {qualified_name} is no longer captured")
         indexes = sorted(chunk_index(k) for k in context.partition_keys)
-        report = pipeline.snapshot(context.resources.cdc.spark(), table, indexes, context.run_id)
+        report = pipeline.snapshot(context.resources.cdc.spark(), table, indexes, context.run.run_id)
         paths = pipeline.lake.table(qualified_name)
         return MaterializeResult(
             metadata={
