@@ -16,11 +16,13 @@ Contract (pure: no Spark, no database; ``cdc_assets.lake.pipeline`` stores the s
   there was), the configured bounds apply again at once.
 - ``in_flight`` records a batch being written (what it held) so that a process killed during it (no ``except``
   runs: SIGKILL, the kernel's OOM killer) is known to the next batch (``recover_in_flight``). A death says nothing
-  of its cause (an operator's kill, a lost node, a deploy), so the first one is retried at the same bounds; a death
-  of the retry too (no success between) counts as a failure and halves, as an exception does. So the kernel's OOM
-  killer costs one attempt more than a heap error, and kills at random moments do not shrink a healthy stream
-  (halving on each of them took a torture run's byte bound from 256 MB to 3.5 KB, and the stream to a few changes
-  per batch).
+  of its cause (an operator's kill, a lost node, a deploy), so each bound gets one death free: the first death at a
+  bound is retried at the same bound (``retried`` set), a second death at it halves, as an exception does, and the
+  halved bound again gets its free death. So the kernel's OOM killer costs twice the attempts of a heap error
+  (2 * log2(bound) at most), and kills at random moments do not shrink a healthy stream: halving on each of them took
+  a torture run's byte bound from 256 MB to 3.5 KB; halving on each death after the first of a streak left another
+  at 18 changes per batch after five deaths in a row (its batches passed about ten fault points each, so a third of
+  them died), which then took ten successful batches to grow back by doubling.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ class BatchBounds:
     failures: int = 0
     reason: str | None = None
     in_flight: dict[str, int] | None = None  # {"changes": n, "bytes": n} of a batch being written
+    retried: bool = False  # a batch at these bounds died already and was retried at them
 
     def shrunk(self, configured: BatchBounds) -> bool:
         return self.max_changes < configured.max_changes or self.max_bytes < configured.max_bytes
@@ -52,6 +55,7 @@ class BatchBounds:
             return min(value, limit) if isinstance(value, int) and value >= 1 else limit
 
         in_flight = data.get("in_flight")
+        retried = data.get("retried")
         failures = data.get("failures")
         reason = data.get("reason")
         return cls(
@@ -60,6 +64,7 @@ class BatchBounds:
             failures=failures if isinstance(failures, int) and failures >= 0 else 0,
             reason=reason if isinstance(reason, str) else None,
             in_flight=in_flight if isinstance(in_flight, dict) else None,
+            retried=retried is True,
         )
 
 
@@ -87,13 +92,14 @@ def after_success(bounds: BatchBounds, configured: BatchBounds, cut: bool) -> Ba
 
 
 def recover_in_flight(bounds: BatchBounds) -> BatchBounds:
-    """A batch recorded as in flight never finished (its process died): retried at the same bounds the first time,
-    counted as failed (halved) when a failure came before it since the last success."""
+    """A batch recorded as in flight never finished (its process died): retried at the same bounds the first time
+    a batch at them died, counted as failed (halved) the second time."""
     if bounds.in_flight is None:
         return bounds
     reason = "the previous batch's process died while it wrote the lake (killed, or out of memory)"
-    if bounds.failures == 0:
-        return BatchBounds(bounds.max_changes, bounds.max_bytes, 1, f"{reason}; retried at the same bounds once")
+    if not bounds.retried:
+        return BatchBounds(bounds.max_changes, bounds.max_bytes, bounds.failures + 1,
+                           f"{reason}; retried at the same bounds once", retried=True)  # fmt: skip
     held = bounds.in_flight
     changes, bytes_ = held.get("changes"), held.get("bytes")
     return after_failure(
@@ -106,4 +112,4 @@ def recover_in_flight(bounds: BatchBounds) -> BatchBounds:
 
 def with_in_flight(bounds: BatchBounds, changes: int, bytes_: int) -> BatchBounds:
     return BatchBounds(bounds.max_changes, bounds.max_bytes, bounds.failures, bounds.reason,
-                       {"changes": changes, "bytes": bytes_})  # fmt: skip
+                       {"changes": changes, "bytes": bytes_}, bounds.retried)  # fmt: skip

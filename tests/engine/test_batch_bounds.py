@@ -65,10 +65,21 @@ def test_deaths_at_random_between_successes_never_shrink_the_bounds() -> None:
     assert bounds == CONFIGURED
 
 
-def test_a_death_after_a_failed_batch_halves_at_once() -> None:
-    failed = after_failure(CONFIGURED, 1000, 100 << 20, "heap")
+def test_each_bound_gets_one_free_death_so_a_streak_of_five_halves_twice() -> None:
+    failed = after_failure(CONFIGURED, 1000, 100 << 20, "heap")  # an exception halves at once
+    assert (failed.max_changes, failed.max_bytes) == (500, 50 << 20)
     died = recover_in_flight(with_in_flight(failed, changes=500, bytes_=50 << 20))
-    assert (died.max_changes, died.max_bytes, died.failures) == (250, 25 << 20, 2)
+    assert (died.max_changes, died.max_bytes, died.failures) == (500, 50 << 20, 2)  # the halved bound's free death
+    bounds = CONFIGURED
+    sizes = []
+    for _ in range(5):  # five deaths in a row, each batch holding all its bounds allow
+        bounds = recover_in_flight(with_in_flight(bounds, changes=bounds.max_changes, bytes_=bounds.max_bytes))
+        sizes.append(bounds.max_changes)
+    assert sizes == [500_000, 250_000, 250_000, 125_000, 125_000] and bounds.failures == 5
+    # an OOM-killed batch still ends at one transaction: two deaths per halving
+    for _ in range(2 * 17):  # 125,000 halved 17 times
+        bounds = recover_in_flight(with_in_flight(bounds, changes=bounds.max_changes, bytes_=bounds.max_bytes))
+    assert bounds.max_changes == 1
 
 
 def test_stored_bounds_never_exceed_the_configured_ones_and_bad_values_fall_back() -> None:
