@@ -67,6 +67,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import reduce
 
 from delta.tables import DeltaTable
 from pyspark.sql import Column, DataFrame, SparkSession
@@ -399,11 +400,16 @@ def _resolve_unchanged(
         F.col("_cdc_position").alias("_c_pp"), F.col("_cdc_seq").alias("_c_ps"),
         *[F.col(q(f"_prev_{n}")).alias(f"_carry_{n}") for n in names],
     )  # fmt: skip
-    links = []  # few: only a key change whose old key got its row by a key change in the same batch
-    for name in names:
-        carry = F.col(q(f"_carry_{name}"))
-        for r in carried.where(carry["tag"] == "p").select("_c_pp", "_c_ps", carry["pp"], carry["ps"]).collect():
-            links.append((name, r[0], r[1], r[2], r[3]))
+    # few: only a key change whose old key got its row by a key change in the same batch; one pass for every column
+    pointing = [F.col(q(f"_carry_{n}"))["tag"] == "p" for n in names]
+    pointers = [F.when(p, F.array(F.col(q(f"_carry_{n}"))["pp"], F.col(q(f"_carry_{n}"))["ps"]))
+                for p, n in zip(pointing, names, strict=True)]  # fmt: skip
+    links = [
+        (name, r["_c_pp"], r["_c_ps"], pointer[0], pointer[1])
+        for r in carried.where(reduce(Column.__or__, pointing)).select("_c_pp", "_c_ps", *pointers).collect()
+        for name, pointer in zip(names, r[2:], strict=True)
+        if pointer is not None
+    ]
     roots = chain_roots(links)
     resolved = lineage
     for name in names:
