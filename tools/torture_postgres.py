@@ -195,10 +195,13 @@ def g_bytea(r: random.Random) -> str:
     return "\\x" + r.randbytes(r.choice([0, 1, 16, 40])).hex()
 
 
+def bytea_of(r: random.Random, size: int) -> str:
+    return "\\x" + r.randbytes(size).hex()
+
+
 def g_big_bytea(r: random.Random) -> str:
     # now and then a value of a few MB (issue 23: values of any size stream through)
-    size = r.randrange(1 << 20, 2 << 20) if r.random() < 0.01 else r.choice([0, 10, 3000, 12000])
-    return "\\x" + r.randbytes(size).hex()
+    return bytea_of(r, r.randrange(1 << 20, 2 << 20) if r.random() < 0.01 else r.choice([0, 10, 3000, 12000]))
 
 
 def g_text_array(r: random.Random) -> str:
@@ -228,6 +231,10 @@ def g_body(r: random.Random) -> str:
         size = r.randrange(100_000, 400_000)
     else:
         size = r.randrange(3000, 30000)
+    return body_of(r, size)
+
+
+def body_of(r: random.Random, size: int) -> str:
     return "".join(r.choices(BODY_ALPHABET, k=size))
 
 
@@ -414,8 +421,8 @@ def create_database(cluster: Cluster, database: str, r: random.Random, rows: dic
                     values.append([*key, *[c.gen(r) for c in spec.columns]])
                 if name == "uuid_docs" and len(values) >= 2:  # every seed holds values of a few MB (issue 23)
                     at = {c.name: len(spec.key) + i for i, c in enumerate(spec.columns)}
-                    values[0][at["body"]] = "".join(r.choices(BODY_ALPHABET, k=r.randrange(2_000_000, 3_000_000)))
-                    values[1][at["blob"]] = "\\x" + r.randbytes(r.randrange(1 << 20, 2 << 20)).hex()
+                    values[0][at["body"]] = body_of(r, r.randrange(2_000_000, 3_000_000))
+                    values[1][at["blob"]] = bytea_of(r, r.randrange(1 << 20, 2 << 20))
                 cur.executemany(statement, values)
         conn.execute(sql.SQL("grant select on all tables in schema public to {}").format(sql.Identifier(role)))
         conn.execute("analyze")
