@@ -82,8 +82,8 @@ def _read_events(path: Path) -> list[dict[str, Any]]:
 
 
 def _pipeline(args: argparse.Namespace) -> tuple[Any, Any, Any]:
-    from cdc_assets.lake.pipeline import PostgresPipeline
     from cdc_assets.lake.spark import spark_session
+    from cdc_assets.sources.postgres.pipeline import PostgresPipeline
 
     config = pipeline_config(SOURCE, Path(args.lake), [args.table, HOT], chunk_size=args.chunk_size)
     spark = spark_session(config.spark)

@@ -11,7 +11,7 @@ reused) it measures, one after the other, after one untimed warm-up scan of the 
 2. ``dlt``: ``dlt.sources.sql_database.sql_table(backend="connectorx")`` into the ``filesystem`` destination with
    ``table_format="delta"`` in a fresh local directory (dlt 1.31: extract, normalize, load; the connectorx backend
    reads the whole table into one Arrow table unless ``--dlt-return-type arrow_stream``).
-3. ``ours``: ``cdc_assets.lake.pipeline`` in a fresh lake: Spark start-up, prepare, chunk plan, every chunk
+3. ``ours``: ``cdc_assets.sources.postgres.pipeline`` in a fresh lake: Spark start-up, prepare, chunk plan, every chunk
    snapshotted (``--chunks-per-call`` chunks per ``snapshot`` call, as a Dagster run of the table asset does), then
    stream batches until every staged chunk is reconciled into the mirror (``waiting_windows == 0``).
 4. ``floor`` (in ours' process, after it): Spark and Delta alone on the same rows, no database: the mirror read
@@ -135,8 +135,8 @@ def worker_ours(args: argparse.Namespace) -> dict[str, Any]:
     sampler = Sampler(os.getpid()).start()
     started = time.monotonic()
     from cdc_assets.engine.lsn import parse_lsn
-    from cdc_assets.lake.pipeline import PostgresPipeline
     from cdc_assets.lake.spark import spark_session
+    from cdc_assets.sources.postgres.pipeline import PostgresPipeline
 
     config = pipeline_config(SOURCE, lake, [args.table], chunk_size=args.chunk_size)
     phases: dict[str, float] = {}
@@ -201,6 +201,7 @@ def spark_delta_floor(spark: Any, mirror: str, target: Path, columns: list[Any])
     from pyspark.sql.types import MapType
 
     from cdc_assets.lake.mirror import ensure_mirror
+    from cdc_assets.sources.postgres.pg_values import spark_schema
 
     rows = spark.read.format("delta").load(mirror)
     maps = [f.name for f in rows.schema.fields if isinstance(f.dataType, MapType)]  # hash() refuses maps
@@ -210,7 +211,7 @@ def spark_delta_floor(spark: Any, mirror: str, target: Path, columns: list[Any])
     read_seconds = time.monotonic() - started
     sampler = Sampler(os.getpid(), lifetime_peak=False).start()
     started = time.monotonic()
-    ensure_mirror(spark, str(target), columns)
+    ensure_mirror(spark, str(target), spark_schema(columns).fields)
     rows.write.format("delta").mode("append").save(str(target))
     write_seconds = time.monotonic() - started
     jvm_cpu = sampler.finish()["jvm"].cpu_seconds

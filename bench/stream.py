@@ -165,8 +165,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def run(args: argparse.Namespace, lake: Path) -> dict[str, Any]:
     from cdc_assets.engine.lsn import parse_lsn
-    from cdc_assets.lake.pipeline import PostgresPipeline
     from cdc_assets.lake.spark import spark_session
+    from cdc_assets.sources.postgres.pipeline import PostgresPipeline
 
     config = pipeline_config(SOURCE, lake, [TABLE], chunk_size=args.chunk_size, max_changes=args.max_changes)
     started = time.monotonic()
@@ -296,8 +296,8 @@ def delta_floor(
     from pyspark.sql import functions as F
     from pyspark.sql.window import Window
 
-    from cdc_assets.engine.pg_values import UNREPRESENTABLE_COLUMN
     from cdc_assets.lake.mirror import merge_net_changes, mirror_source_fields, q
+    from cdc_assets.sources.postgres.pg_values import UNREPRESENTABLE_COLUMN
 
     work = lake / "floor"
     shutil.rmtree(work, ignore_errors=True)

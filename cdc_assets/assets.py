@@ -1,7 +1,7 @@
 """Dagster assets of one source: a chunk-partitioned asset per captured table, and the stream asset.
 
 Thin glue: the work is done by the source's ``CdcSource`` (``cdc_assets.source``; PostgreSQL:
-``cdc_assets.lake.pipeline``). A table asset's partition is one chunk of its stored plan;
+``cdc_assets.sources.postgres.pipeline``). A table asset's partition is one chunk of its stored plan;
 materializing partitions snapshots those chunks in one watermark window and stages them; each of the stream
 asset's materializations is one micro-batch, and its metadata holds the offset (DDD-4 field names). A stream run
 keeps its Spark session across batches for ``stream.run_seconds``, so a batch does not pay a driver start.
@@ -54,7 +54,7 @@ from cdc_assets.source import CdcSource, SkippedTableLike, SourceLag, StreamRepo
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
 
-    from cdc_assets.lake.consistency import ChunkCheck
+    from cdc_assets.source import ChunkCheck
 
 CHUNKS_PER_RUN = 4
 CHUNK_CHECK_NAME = "chunk_matches_source"

@@ -11,8 +11,8 @@ from dagster import AssetMaterialization, Config, JobDefinition, OpExecutionCont
 
 from cdc_assets.assets import change_offset_job_name, lake_pool, stream_asset_key
 from cdc_assets.engine.lsn import format_lsn, parse_lsn
-from cdc_assets.postgres import stream
-from cdc_assets.postgres.connection import connect
+from cdc_assets.sources.postgres import stream
+from cdc_assets.sources.postgres.connection import connect
 
 
 class ChangeOffsetConfig(Config):

@@ -18,8 +18,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
 
-    from cdc_assets.lake.consistency import ChunkCheck
-    from cdc_assets.source import CdcSource
+    from cdc_assets.source import CdcSource, ChunkCheck
 
 
 @dataclass(frozen=True)

@@ -30,10 +30,10 @@ engine (chunks, watermark windows, reconciliation, offsets) and the lake code ar
   otherwise). Attaching or detaching one changes the table's rows without a change in the log: the planner sensor
   then requests a snapshot of every chunk.
 - ``check_chunks(spark, table, indexes, wait_seconds)`` compares row count and checksum of chunks, computed at the
-  source and over the mirror, at a consistent point (``cdc_assets.lake.consistency``).
+  source and over the mirror, at a consistent point (``cdc_assets.sources.postgres.consistency``).
 
-``open_source(config, source)`` returns the implementation for ``source.kind``. (Not ``runtime_checkable``: an
-``isinstance`` check would read ``tables`` and so connect to the source.)
+``cdc_assets.sources.open_source(config, source)`` returns the implementation for ``source.kind``. (Not
+``runtime_checkable``: an ``isinstance`` check would read ``tables`` and so connect to the source.)
 """
 
 from __future__ import annotations
@@ -42,14 +42,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol, TypeVar
 
-from cdc_assets.config import SOURCE_KINDS, CdcConfig, SourceConfig
+from cdc_assets.config import SourceConfig
 from cdc_assets.engine.chunks import ChunkPlan
 from cdc_assets.lake.layout import SourceLake
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
-
-    from cdc_assets.lake.consistency import ChunkCheck
 
 
 class CapturedTableLike(Protocol):
@@ -113,6 +111,24 @@ class StreamReport:
     bounds: dict[str, object] = field(default_factory=dict)
 
 
+@dataclass
+class ChunkCheck:
+    """One chunk's consistency check: row count and checksum at the source and over the mirror (``conclusive``
+    False when the stream did not pass the check's high watermark in time: ``reason`` says why)."""
+
+    table: str
+    chunk: int
+    conclusive: bool
+    matches: bool
+    source_rows: int = 0
+    mirror_rows: int = 0
+    source_checksum: str = ""
+    mirror_checksum: str = ""
+    excluded_keys: int = 0
+    first_difference: str | None = None
+    reason: str | None = None
+
+
 @dataclass(frozen=True)
 class SourceLag:
     """How far the lake is behind the source: ``lag_bytes`` of change log the source keeps for us (PostgreSQL: the
@@ -156,18 +172,3 @@ class CdcSource(Protocol[TableT]):
     def check_chunks(
         self, spark: SparkSession, table: TableT, indexes: Sequence[int], wait_seconds: float = 120
     ) -> list[ChunkCheck]: ...
-
-
-class UnsupportedSourceError(ValueError):
-    """A source kind without an implementation."""
-
-
-def open_source(config: CdcConfig, source: SourceConfig) -> CdcSource:
-    """The ``CdcSource`` of ``source`` (by ``source.kind``)."""
-    if source.kind == "postgres":
-        from cdc_assets.lake.pipeline import PostgresPipeline
-
-        return PostgresPipeline(config, source)
-    raise UnsupportedSourceError(
-        f"source {source.name!r}: kind {source.kind!r} has no implementation; allowed: {', '.join(SOURCE_KINDS)}"
-    )

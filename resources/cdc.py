@@ -9,7 +9,8 @@ from pyspark.sql import SparkSession
 
 from cdc_assets.config import CdcConfig, load_config
 from cdc_assets.lake.spark import spark_session
-from cdc_assets.source import CdcSource, open_source
+from cdc_assets.source import CdcSource
+from cdc_assets.sources import open_source
 
 
 class CdcResource(ConfigurableResource):

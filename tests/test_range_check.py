@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from cdc_assets.lake.consistency import ChunkCheck
 from cdc_assets.range_check import check_range, windows
+from cdc_assets.source import ChunkCheck
 
 
 @dataclass(frozen=True)

@@ -7,8 +7,9 @@ from pathlib import Path
 import pytest
 
 from cdc_assets.config import parse_config
-from cdc_assets.lake.pipeline import PostgresPipeline
-from cdc_assets.source import CdcSource, UnsupportedSourceError, open_source
+from cdc_assets.source import CdcSource
+from cdc_assets.sources import UnsupportedSourceError, open_source
+from cdc_assets.sources.postgres.pipeline import PostgresPipeline
 
 RAW = {
     "lake_root": "lake",

@@ -158,10 +158,10 @@ def apply_patches() -> list[str]:
 def worker_main(role: str, kind: str, result_fd: int, broken: bool, patched: bool) -> int:
     """A long-lived worker: each task is one Dagster-like run with a fresh pipeline (``prepare()``)."""
     import cdc_assets.lake.maintenance as maintenance_module
-    import cdc_assets.lake.pipeline as pipeline_module
+    import cdc_assets.sources.postgres.pipeline as pipeline_module
     from cdc_assets.engine import faults
     from cdc_assets.lake.spark import DERBY_OPTION, spark_session
-    from cdc_assets.source import open_source
+    from cdc_assets.sources import open_source
 
     channel = os.fdopen(result_fd, "w")
     original = faults.fault_point
@@ -649,7 +649,7 @@ class SeedRun:
         shutil.rmtree(self.lake, ignore_errors=True)
         seed_source = self.source.create(self.seed, r, self.options.scale, self.lake, self.options.chunk_size)
         self.seed_source = seed_source
-        from cdc_assets.source import open_source
+        from cdc_assets.sources import open_source
 
         config = self.source.build_config(seed_source.spec)
         pipeline = open_source(config, config.sources[0])

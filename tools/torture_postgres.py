@@ -26,8 +26,9 @@ Contract
   has a duplicate ``(_cdc_commit_lsn, _cdc_seq)``; every changelog holds exactly the changes PostgreSQL's own
   ``test_decoding`` reports for that table from the oracle slot, per commit (end LSN), xid and operation (no gap,
   nothing extra). The runner then checks the oracle against the workload's own count of committed changes.
-- ``--broken-reconciliation`` (``break_settled_rule``): the worker replaces ``cdc_assets.lake.mirror._unsettled``
-  by "every transaction is settled" inside its own process; production code is unchanged.
+- ``--broken-reconciliation`` (``break_settled_rule``): the worker replaces ``PostgresSettledRule.unsettled``
+  (``cdc_assets.sources.postgres.watermark``) by "every transaction is settled" inside its own process; production
+  code is unchanged.
 """
 
 from __future__ import annotations
@@ -835,7 +836,7 @@ def oracle_changes(admin_dsn: str, slot: str, start: int) -> dict[str, Counter[t
 def mirror_rows(frame: Any, names: list[str]) -> set[tuple]:
     """``tests.integration.support.mirror_rows`` through Arrow: PySpark's ``collect()`` cannot convert a timestamp
     at 0001-01-01 UTC (``TimestampType.fromInternal`` raises 'year 0 is out of range'); Arrow can."""
-    from cdc_assets.engine.pg_values import UNREPRESENTABLE_COLUMN
+    from cdc_assets.sources.postgres.pg_values import UNREPRESENTABLE_COLUMN
     from tests.integration.support import _as_tuples
 
     selected = frame.select(*[f"`{n}`" for n in [*names, UNREPRESENTABLE_COLUMN]])
@@ -852,8 +853,8 @@ def verify(spark: Any, spec: Mapping[str, Any], admin_dsn: str, oracle_start: in
     """Mirrors against sources, changelogs against duplicates and against the oracle slot (module docstring)."""
     from pyspark.sql import functions as F
 
-    from cdc_assets.engine.pg_values import UNREPRESENTABLE_COLUMN
-    from cdc_assets.lake.pipeline import PostgresPipeline
+    from cdc_assets.sources.postgres.pg_values import UNREPRESENTABLE_COLUMN
+    from cdc_assets.sources.postgres.pipeline import PostgresPipeline
     from tests.integration.support import source_rows
 
     config = build_config(spec)
@@ -1073,9 +1074,9 @@ class PostgresTorture:
     def break_settled_rule() -> None:
         from pyspark.sql import functions as F
 
-        from cdc_assets.lake import mirror
+        from cdc_assets.sources.postgres.watermark import PostgresSettledRule
 
-        def every_transaction_settled(lw_xmin: Any, lw_xmax: Any, lw_xip: Any) -> Any:
+        def every_transaction_settled(self: PostgresSettledRule) -> Any:
             return F.lit(False)
 
-        mirror._unsettled = every_transaction_settled  # type: ignore[assignment]
+        PostgresSettledRule.unsettled = every_transaction_settled  # type: ignore[method-assign]

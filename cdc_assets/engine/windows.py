@@ -1,10 +1,10 @@
 """Chunk windows: which staged chunk reads still wait for reconciliation, and which may close now.
 
 Contract:
-- A ``ChunkWindow`` is one attempt at reading one chunk: the low watermark (the snapshot ``pg_current_snapshot()``
-  returned, and ``lw_lsn``, the WAL insert position taken just before it: recorded for diagnosis only, since a
-  transaction unsettled at the low watermark may have written its commit record before it), and the high
-  watermark ``hw``.
+- A ``ChunkWindow`` is one attempt at reading one chunk: the low watermark (``low_watermark``: the source's text
+  of it, opaque here and read by the source's ``SettledRule``, ``cdc_assets.lake.settled``; PostgreSQL: the
+  ``pg_current_snapshot()`` text; and ``lw_lsn``, the source's position taken just before it: recorded for
+  diagnosis only), and the high watermark ``hw`` (a position of the change stream).
 - The window log holds events ``staged`` (an attempt's rows are in staging) and ``reconciled`` (that attempt was
   applied to the mirror). ``open_windows(events)``: for each chunk, its latest staged attempt, unless that attempt is
   reconciled. An older attempt is superseded by a newer one (a re-materialized partition) and never applied.
@@ -29,8 +29,6 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from datetime import datetime
 
-from cdc_assets.engine.watermark import LowWatermark
-
 STAGED = "staged"
 FILL_CHUNK = -1
 RECONCILED = "reconciled"
@@ -42,7 +40,7 @@ class ChunkWindow:
     chunk: int
     attempt: str
     lw_lsn: int
-    low_watermark: LowWatermark
+    low_watermark: str  # the source's text of it (opaque to the engine)
     hw: int
     rows: int
     at: datetime

@@ -1,10 +1,11 @@
 """Changelog append, change application (MERGE) and chunk reconciliation on one table's Delta tables.
 
 Contract:
-- Mirror schema: the source columns (``spark_schema``), ``_cdc_unrepresentable``, ``_cdc_op`` (``c``/``u`` from the
-  stream, ``r`` from a snapshot), ``_cdc_position`` (commit end LSN of the last change applied to the row; a
-  reconciled snapshot row carries its window's high watermark), ``_cdc_ts`` and ``_cdc_unknown`` (names of columns
-  whose value the lake could not know, see below; NULL when none). Change Data Feed is on. A column dropped at the
+- Mirror schema: the source columns (their Spark fields, ``cdc_assets.lake.schema``), ``_cdc_unrepresentable``,
+  ``_cdc_op`` (``c``/``u`` from the stream, ``r`` from a snapshot), ``_cdc_position`` (commit end LSN of the last
+  change applied to the row; a reconciled snapshot row carries its window's high watermark), ``_cdc_ts`` and
+  ``_cdc_unknown`` (names of columns whose value the lake could not know, see below; NULL when none). Change Data
+  Feed is on. A column dropped at the
   source stays: every write (change or reconciled snapshot row) assigns all the mirror's source columns
   (``mirror_source_fields``), so the dropped one is NULL in each row written after the drop.
 - ``append_changelog``: appends a batch's changes, skipping those at or below the offset recorded in the changelog's
@@ -38,12 +39,13 @@ Contract:
   transaction drops the chunk); upsert the rest (guard: mirror row not newer than the high watermark); delete mirror
   rows inside the chunk's key range that the read did not see and that no unsettled transaction touched (repairs
   drift). Changes after the high watermark are unsettled too, so reconciling later than necessary stays exact.
-  The changelog is narrowed to transaction ids from the low watermark's ``xmin`` on, never by WAL position: a
-  transaction can be in ``xip`` while its commit record already precedes the low watermark (its commit waits for a
-  WAL flush or a synchronous standby; the stream may even have applied it), and the read does not see it.
+  "Settled" is the source's ``SettledRule`` (``cdc_assets.lake.settled``; PostgreSQL: by transaction id against
+  the window's ``pg_current_snapshot()``, never by WAL position, ``cdc_assets.sources.postgres.watermark``); the
+  reconciliation itself is the same for every source kind.
   A dropped key whose mirror row has ``_cdc_unknown`` columns (its unchanged TOAST values reached the stream before
   the mirror had the row) takes those columns from the staged row when no insert, delete or key change touched the
-  key since the window opened (by any transaction from the low watermark's ``xmin`` on): every change that replaced
+  key since the window opened (``SettledRule.since_window``, a superset of the unsettled changes): every change that
+  replaced
   the row at that key was settled at the low watermark, so the read saw the mirror row's own row (not one that
   reused the key), and no change the stream applied since carried those columns (it would have made them known),
   so they have not changed since the read.
@@ -78,13 +80,14 @@ from pyspark.sql.window import Window
 from cdc_assets.engine.chunks import Chunk, chunk_partition_key
 from cdc_assets.engine.key_chains import chain_roots
 from cdc_assets.engine.lsn import parse_lsn
-from cdc_assets.engine.pg_values import UNREPRESENTABLE_COLUMN, PgColumn, spark_schema
 from cdc_assets.engine.windows import FILL_CHUNK, ChunkWindow
 from cdc_assets.lake import staging
 from cdc_assets.lake.column_mapping import MODE as MAPPING_MODE
 from cdc_assets.lake.column_mapping import column_mapping_properties, enable_column_mapping, refused_names
 from cdc_assets.lake.delta_tables import table_or_none
 from cdc_assets.lake.retry import commit_with_retry
+from cdc_assets.lake.schema import UNREPRESENTABLE_COLUMN
+from cdc_assets.lake.settled import SettledRule
 
 META_FIELDS = [
     T.StructField("_cdc_op", T.StringType()),
@@ -99,15 +102,15 @@ def q(name: str) -> str:
 
 
 def ensure_mirror(
-    spark: SparkSession, path: str, columns: Sequence[PgColumn], also: Sequence[T.StructField] = ()
+    spark: SparkSession, path: str, fields: Sequence[T.StructField], also: Sequence[T.StructField] = ()
 ) -> DeltaTable:
     """Create the mirror when missing (CDF and deletion vectors on); add source columns it lacks (an added column
-    evolves the schema): those of ``columns`` and the source fields ``also`` (columns of rows about to be written
-    that the caller's description of the table lacks: a snapshot read after the column was added). Deletion
-    vectors: a batch's MERGE then marks replaced rows instead of rewriting every file it touches, and random changes
-    touch every file of a big mirror (bench.stream, 1M rows, 83k changes per batch: MERGE 41.8 s over 3 batches
-    with them, 57.7 s without; only tiny mirrors are faster without)."""
-    source_fields = spark_schema(list(columns)).fields
+    evolves the schema): those of ``fields`` (``cdc_assets.lake.schema``) and the source fields ``also`` (columns of
+    rows about to be written that the caller's description of the table lacks: a snapshot read after the column was
+    added). Deletion vectors: a batch's MERGE then marks replaced rows instead of rewriting every file it touches,
+    and random changes touch every file of a big mirror (bench.stream, 1M rows, 83k changes per batch: MERGE 41.8 s
+    over 3 batches with them, 57.7 s without; only tiny mirrors are faster without)."""
+    source_fields = list(fields)
     described = {f.name for f in source_fields}
     schema = T.StructType([*source_fields, *[f for f in also if f.name not in described], *META_FIELDS])
 
@@ -214,7 +217,7 @@ def apply_changes(
     spark: SparkSession,
     path: str,
     changes: DataFrame,
-    columns: Sequence[PgColumn],
+    fields: Sequence[T.StructField],
     key_columns: Sequence[str],
     unchanged_columns: set[str],
     truncate: tuple[int, int] | None = None,
@@ -222,7 +225,7 @@ def apply_changes(
     """Apply one batch of one table's changes (changelog rows) to the mirror; the keys of mirror rows that hold
     unknown values afterwards. ``truncate`` is the batch's last ``TRUNCATE`` of the table as (``_cdc_position``,
     ``_cdc_seq``), known to the driver from the batch."""
-    mirror = ensure_mirror(spark, path, columns)
+    mirror = ensure_mirror(spark, path, fields)
     mirror_types = {f.name: f.dataType for f in mirror_source_fields(mirror)}
     mirror_columns = list(mirror_types)
     after_fields = {f.name: f.dataType for f in changes.schema["after"].dataType.fields}
@@ -521,12 +524,6 @@ def _range_condition(
     return condition
 
 
-def _unsettled(lw_xmin: Column, lw_xmax: Column, lw_xip: Column) -> Column:
-    xid = F.col("_cdc_xid")
-    settled = (xid < lw_xmin) | ((xid < lw_xmax) & ~F.array_contains(lw_xip, xid))
-    return ~settled
-
-
 def check_staged_rows(staging_path: str, windows: Sequence[ChunkWindow]) -> None:
     counts = staging.staged_row_counts(staging_path, (w.attempt for w in windows))
     for w in windows:
@@ -549,20 +546,21 @@ def reconcile(
     mirror_path: str,
     changelog_path: str,
     staging_path: str,
-    columns: Sequence[PgColumn],
+    fields: Sequence[T.StructField],
     key_columns: Sequence[str],
     windows: Sequence[ChunkWindow],
     chunks: dict[int, Chunk],
+    rule: SettledRule,
 ) -> list[ReconcileResult]:
     """Reconcile the closable ``windows`` of one table (see module docstring): its chunk windows in one MERGE, its
     fill window (``FILL_CHUNK``) in another."""
     fills = [w for w in windows if w.chunk == FILL_CHUNK]
     results = _reconcile_windows(
-        spark, mirror_path, changelog_path, staging_path, columns, key_columns,
-        [w for w in windows if w.chunk != FILL_CHUNK], chunks,
+        spark, mirror_path, changelog_path, staging_path, fields, key_columns,
+        [w for w in windows if w.chunk != FILL_CHUNK], chunks, rule,
     )  # fmt: skip
     return results + _reconcile_windows(
-        spark, mirror_path, changelog_path, staging_path, columns, key_columns, fills, chunks
+        spark, mirror_path, changelog_path, staging_path, fields, key_columns, fills, chunks, rule
     )
 
 
@@ -571,10 +569,11 @@ def _reconcile_windows(
     mirror_path: str,
     changelog_path: str,
     staging_path: str,
-    columns: Sequence[PgColumn],
+    fields: Sequence[T.StructField],
     key_columns: Sequence[str],
     windows: Sequence[ChunkWindow],
     chunks: dict[int, Chunk],
+    rule: SettledRule,
 ) -> list[ReconcileResult]:
     """Chunk windows only, or fill windows only: a fill window read rows by key, not a key range, so it has no rows
     to delete, no range to prune the MERGE's target by, and is never appended."""
@@ -582,25 +581,19 @@ def _reconcile_windows(
         return []
     by_key = windows[0].chunk == FILL_CHUNK
     check_staged_rows(staging_path, windows)
-    staged_frame = staging.read_staged(spark, staging_path, (w.attempt for w in windows), list(columns))
+    staged_frame = staging.read_staged(spark, staging_path, (w.attempt for w in windows), fields)
     # a column the read had but the caller's description lacks (added since the stream run described the table)
     staged_source_fields = [f for f in staged_frame.schema.fields if f.name not in STAGING_ONLY_COLUMNS]
-    mirror = ensure_mirror(spark, mirror_path, columns, also=staged_source_fields)
+    mirror = ensure_mirror(spark, mirror_path, fields, also=staged_source_fields)
     all_types = {f.name: f.dataType for f in mirror_source_fields(mirror)}
     names = list(all_types)
     key_types = {k: all_types[k] for k in key_columns}
-    window_rows = [
-        (w.attempt, w.chunk, w.low_watermark.xmin, w.low_watermark.xmax, sorted(w.low_watermark.xip), w.hw, w.at)
-        for w in windows
-    ]  # fmt: skip
-    window_frame = F.broadcast(
-        spark.createDataFrame(
-            window_rows,
-            "_w_attempt string, _w_chunk int, _w_xmin long, _w_xmax long, _w_xip array<long>, _w_hw long, "
-            "_w_at timestamp",
-        )
-    )
-    lowest_xmin = min(w.low_watermark.xmin for w in windows)
+    window_rows = [(w.attempt, w.chunk, w.hw, w.at, *rule.window_values(w.low_watermark)) for w in windows]
+    window_schema = T.StructType([
+        T.StructField("_w_attempt", T.StringType()), T.StructField("_w_chunk", T.IntegerType()),
+        T.StructField("_w_hw", T.LongType()), T.StructField("_w_at", T.TimestampType()), *rule.window_fields,
+    ])  # fmt: skip
+    window_frame = F.broadcast(spark.createDataFrame(window_rows, window_schema))
 
     # keys (old and new) changed by transactions not settled at each window's low watermark
     key_fields = ", ".join(f"{q('_t_' + k)} {key_types[k].simpleString()}" for k in key_columns)
@@ -609,14 +602,13 @@ def _reconcile_windows(
     unstable_keys = touched_keys
     touched: DataFrame | None = None
     if DeltaTable.isDeltaTable(spark, changelog_path):
-        # narrowed by transaction id, never by WAL position: a transaction unsettled at the low watermark may have
-        # written its commit record before it (the commit waits for a flush or a synchronous standby)
-        recent = spark.read.format("delta").load(changelog_path).where(F.col("_cdc_xid") >= lowest_xmin)
-        recent = recent.join(window_frame, F.col("_cdc_xid") >= F.col("_w_xmin"))
-        log = recent.where(_unsettled(F.col("_w_xmin"), F.col("_w_xmax"), F.col("_w_xip")))
+        # narrowed as the source says (PostgreSQL: by transaction id, never by WAL position)
+        recent = spark.read.format("delta").load(changelog_path).where(rule.since([w.low_watermark for w in windows]))
+        recent = recent.join(window_frame, rule.since_window())
+        log = recent.where(rule.unsettled())
         keys = F.array(_key_struct("after", key_columns), _key_struct("before", key_columns))
         # keys whose row may have been replaced since the window opened (insert, delete, key change; by any
-        # transaction from the low watermark's xmin on: a superset of the unsettled ones)
+        # change ``since_window``: a superset of the unsettled ones)
         new_key, old_key = _key_struct("after", key_columns), _key_struct("before", key_columns)
         replaced = F.col("_cdc_op").isin("c", "d") | (
             (F.col("_cdc_op") == "u") & F.col("before").isNotNull() & ~new_key.eqNullSafe(old_key)

@@ -10,9 +10,9 @@ heap size again): parquet-mr's Snappy codecs grow them to each page they compres
 MB) and free them only when a full collection finds them. Parquet writers check their buffered size after every
 row (``parquet.page.size.row.check.min`` = 1, no estimate of the next check; parquet-mr's defaults buffer 100 values
 before they look, 1 GB of 10 MB values, and after small rows up to 10000), so a page of big values is cut by bytes
-(a row group is cut by its compressed size: ``cdc_assets.lake.pipeline.big_batch_conf`` makes those small for rows
-of big values). ``remote`` connects to a Spark Connect server instead of starting a driver. A local driver loads the
-Delta jars that ``scripts/setup.sh`` fetched with Maven into ``.jars/`` (or the folder named by ``CDC_JARS_DIR``);
+(a row group is cut by its compressed size: ``big_batch_conf`` makes those small for rows of big values).
+``remote`` connects to a Spark Connect server instead of starting a driver. A local driver loads the Delta jars that
+``scripts/setup.sh`` fetched with Maven into ``.jars/`` (or the folder named by ``CDC_JARS_DIR``);
 Python workers run the driver's interpreter unless ``PYSPARK_PYTHON`` says otherwise. ``session_conf(spark,
 settings)`` sets ``settings`` in the session's conf for the duration of a block, then restores the previous values.
 """
@@ -137,3 +137,41 @@ def session_conf(spark: SparkSession, settings: dict[str, str]) -> Iterator[None
                 spark.conf.unset(key)
             else:
                 spark.conf.set(key, value)
+
+
+# Spark's join planner estimates a frame's size from its Parquet files, compressed: a batch of big, compressible
+# values looks small and is broadcast (built whole in the driver's heap: "Not enough memory to build and broadcast
+# the table"), and so is a small-looking mirror of big values that unchanged TOAST values are looked up in
+AUTO_BROADCAST = "spark.sql.autoBroadcastJoinThreshold"
+MAX_PARTITION_BYTES = "spark.sql.files.maxPartitionBytes"
+MERGE_SOURCE_LEVEL = "spark.databricks.delta.merge.materializeSource.rddStorageLevel"
+
+
+PARQUET_BLOCK_SIZE = "parquet.block.size"  # Hadoop conf: the session's SQL conf is copied into each write's
+# parquet-mr measures a row group's buffered size compressed: a row group of big, compressible values is many times
+# that size when read (Spark's vectorized reader decodes a batch of a row group's rows whole: 60 values of 10 MB in
+# one 128 MB row group needed 630 MB at once). Rows of big values are written in row groups of this many compressed
+# bytes per spill_bytes (2 MB at 32 MB: 3 rows of 10 MB values that compress 20 times)
+BIG_ROW_GROUP_SHARE = 16
+
+
+def big_batch_conf(bytes_: int, rows: int, looks_up_mirror: bool, spill_bytes: int) -> dict[str, str]:
+    """Session settings for one table's part of a batch (or its staged rows being reconciled), ``bytes_`` of
+    changes (or staged rows) in ``rows`` rows:
+    - more bytes than one spill part: no automatic broadcast joins, input partitions of at most ``spill_bytes``,
+      the MERGE's materialized source on disk;
+    - rows of big values (on average at least ``spill_bytes / 1024`` bytes): Parquet row groups of
+      ``spill_bytes / BIG_ROW_GROUP_SHARE`` compressed bytes in the files written (mirror, changelog), so whoever
+      reads them later holds one small row group at a time;
+    - ``looks_up_mirror`` (unchanged TOAST values, which only big values have, are looked up in the mirror): no
+      automatic broadcast joins, the mirror side may hold big values.
+    A small batch of small rows keeps Spark's defaults (broadcasting a small batch spares a big mirror's shuffle)."""
+    conf: dict[str, str] = {}
+    if bytes_ > spill_bytes or looks_up_mirror:
+        conf[AUTO_BROADCAST] = "-1"
+    if bytes_ > spill_bytes:
+        conf[MAX_PARTITION_BYTES] = str(spill_bytes)
+        conf[MERGE_SOURCE_LEVEL] = "DISK_ONLY"
+    if rows and bytes_ / rows >= spill_bytes / 1024:
+        conf[PARQUET_BLOCK_SIZE] = str(max(spill_bytes // BIG_ROW_GROUP_SHARE, 64 * 1024))
+    return conf

@@ -11,10 +11,11 @@ Contract (``<table>/staged/_cdc_attempt=<attempt>/chunk-<n>-part-<k>.parquet``):
 - ``staged_row_counts(folder, attempts)``: rows per (attempt, chunk), summed from the files' footers in the
   calling process (no Spark job).
 - ``staged_bytes(folder, attempts)``: the uncompressed bytes of the attempts' rows, from the files' footers.
-- ``read_staged(spark, folder, attempts, columns)``: the rows of ``attempts`` as one frame, with ``_cdc_attempt``
+- ``read_staged(spark, folder, attempts, fields)``: the rows of ``attempts`` as one frame, with ``_cdc_attempt``
   (a string) from the folder name as a partition column. The attempts' schemas are merged: an attempt read before
-  a column was added has NULL in it. When none of the attempts has a file, an empty frame of ``columns`` (the
-  caller's description of the table) with ``_cdc_chunk`` and ``_cdc_attempt``.
+  a column was added has NULL in it. When none of the attempts has a file, an empty frame of ``fields`` (the
+  caller's description of the table's columns, ``cdc_assets.lake.schema``) with ``_cdc_chunk`` and
+  ``_cdc_attempt``.
 - ``staged_attempt_times(folder)``: each staged attempt with the modification time (epoch seconds) of its newest
   file.
 - ``drop_attempts(folder, attempts)``: deletes the attempts' folders and returns the number of files deleted.
@@ -36,7 +37,7 @@ import os
 import re
 import shutil
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -45,7 +46,6 @@ import pyarrow.parquet as pq
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import types as T
 
-from cdc_assets.engine.pg_values import PgColumn, spark_schema
 from cdc_assets.lake.spark import session_conf
 
 CHUNK_COLUMN = "_cdc_chunk"
@@ -140,14 +140,14 @@ def staged_bytes(folder: str | os.PathLike[str], attempts: Iterable[str]) -> int
 
 
 def read_staged(
-    spark: SparkSession, folder: str | os.PathLike[str], attempts: Iterable[str], columns: list[PgColumn]
+    spark: SparkSession, folder: str | os.PathLike[str], attempts: Iterable[str], fields: Sequence[T.StructField]
 ) -> DataFrame:
     paths = [
         str(path) for attempt in sorted(set(attempts)) if any(_part_files(path := _attempt_folder(folder, attempt)))
     ]
     if not paths:
-        fields = [T.StructField(CHUNK_COLUMN, T.IntegerType()), T.StructField(ATTEMPT_COLUMN, T.StringType())]
-        return spark.createDataFrame([], T.StructType([*spark_schema(columns).fields, *fields]))
+        extra = [T.StructField(CHUNK_COLUMN, T.IntegerType()), T.StructField(ATTEMPT_COLUMN, T.StringType())]
+        return spark.createDataFrame([], T.StructType([*fields, *extra]))
     with session_conf(spark, {INFERENCE_CONF: "false"}):  # the folders' partition values are typed here
         reader = spark.read.option("mergeSchema", "true").option("basePath", str(folder))
         # no row-group pruning by dictionary: when a staged file's key column was dictionary-encoded in every row

@@ -2,8 +2,11 @@
 
 Contract: ``record(spark, path, event, windows, counts)`` appends one event row per window (blind appends: parallel
 snapshot runs never conflict, a lost creation race is retried); ``read_events(spark, path)`` returns every event
-as ``WindowEvent``s for ``cdc_assets.engine.windows``. Rows carry the low watermark (``lw_lsn``, ``xmin``, ``xmax``,
-``xip``), the high watermark, the chunk's staged row count, and for ``reconciled`` the kept/dropped/deleted counts.
+as ``WindowEvent``s for ``cdc_assets.engine.windows``. Rows carry the low watermark (``low_watermark``: the source's
+text of it; ``lw_lsn``: the position taken just before it), the high watermark, the chunk's staged row count, and for
+``reconciled`` the kept/dropped/deleted counts. Logs written before the low watermark became the source's text hold
+PostgreSQL's snapshot as ``xmin``, ``xmax``, ``xip`` (then the only source kind): read as that snapshot's text; new
+rows leave those columns NULL, and the first new append adds the ``low_watermark`` column (schema merge).
 """
 
 from __future__ import annotations
@@ -14,7 +17,6 @@ from pyspark.errors import AnalysisException
 from pyspark.sql import SparkSession
 from pyspark.sql import types as T
 
-from cdc_assets.engine.watermark import LowWatermark
 from cdc_assets.engine.windows import ChunkWindow, WindowEvent
 from cdc_assets.lake.delta_tables import is_missing_table
 from cdc_assets.lake.retry import commit_with_retry
@@ -35,6 +37,7 @@ SCHEMA = T.StructType(
         T.StructField("dropped", T.LongType()),
         T.StructField("deleted", T.LongType()),
         T.StructField("at", T.TimestampType()),
+        T.StructField("low_watermark", T.StringType()),
     ]
 )
 
@@ -52,13 +55,21 @@ def record(
     rows = []
     for w in windows:
         kept, dropped, deleted = (counts or {}).get((w.table, w.chunk), (None, None, None))
-        lw = w.low_watermark
         rows.append(
-            (w.table, w.chunk, w.attempt, event, w.lw_lsn, lw.xmin, lw.xmax, sorted(lw.xip), w.hw, w.rows,
-             kept, dropped, deleted, w.at if event == "staged" else now)
+            (w.table, w.chunk, w.attempt, event, w.lw_lsn, None, None, None, w.hw, w.rows,
+             kept, dropped, deleted, w.at if event == "staged" else now, w.low_watermark)
         )  # fmt: skip
     frame = spark.createDataFrame(rows, SCHEMA)
-    commit_with_retry(lambda: frame.write.format("delta").mode("append").save(path), f"window log {path}")
+    writer = frame.write.format("delta").mode("append").option("mergeSchema", "true")
+    commit_with_retry(lambda: writer.save(path), f"window log {path}")
+
+
+def _low_watermark(row: dict[str, object]) -> str:
+    text = row.get("low_watermark")
+    if isinstance(text, str):
+        return text
+    xip = ",".join(str(x) for x in sorted(row["xip"] or ()))  # a log written before: PostgreSQL's snapshot columns
+    return f"{row['xmin']}:{row['xmax']}:{xip}"
 
 
 def read_events(spark: SparkSession, path: str) -> list[WindowEvent]:
@@ -77,7 +88,7 @@ def read_events(spark: SparkSession, path: str) -> list[WindowEvent]:
             chunk=r["chunk"],
             attempt=r["attempt"],
             lw_lsn=r["lw_lsn"],
-            low_watermark=LowWatermark(r["xmin"], r["xmax"], frozenset(r["xip"] or ())),
+            low_watermark=_low_watermark(r.asDict()),
             hw=r["hw"],
             rows=r["rows"] or 0,
             at=r["at"],

@@ -6,7 +6,6 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from cdc_assets.engine.watermark import LowWatermark
 from cdc_assets.engine.windows import (
     FILL_CHUNK,
     RECONCILED,
@@ -23,9 +22,7 @@ T0 = datetime(2026, 1, 1, tzinfo=UTC)
 
 
 def window(chunk: int, attempt: str, hw: int, minutes: int = 0, table: str = "public.t") -> ChunkWindow:
-    return ChunkWindow(
-        table, chunk, attempt, 10, LowWatermark(5, 9, frozenset({7})), hw, 100, T0 + timedelta(minutes=minutes)
-    )
+    return ChunkWindow(table, chunk, attempt, 10, "5:9:7", hw, 100, T0 + timedelta(minutes=minutes))
 
 
 def test_staged_window_is_open_until_reconciled() -> None:

@@ -14,9 +14,9 @@ from psycopg import sql
 from pyspark.sql import SparkSession
 
 from cdc_assets.config import CdcConfig, PostgresConnection, Secret, SourceConfig, SparkConfig, StreamConfig
-from cdc_assets.engine.pg_values import UNREPRESENTABLE_COLUMN, copy_query_to_arrow
-from cdc_assets.postgres.catalog import CapturedTable
-from cdc_assets.postgres.connection import connect
+from cdc_assets.sources.postgres.catalog import CapturedTable
+from cdc_assets.sources.postgres.connection import connect
+from cdc_assets.sources.postgres.pg_values import UNREPRESENTABLE_COLUMN, copy_query_to_arrow
 
 ROOT = Path(__file__).resolve().parents[2]
 READER_PASSWORD = "rd-7Qx"

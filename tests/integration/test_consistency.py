@@ -14,9 +14,9 @@ from delta.tables import DeltaTable
 from pyspark.sql import functions as F
 from pyspark.sql.types import LongType
 
-from cdc_assets.lake.consistency import _touched_keys, check_chunks
-from cdc_assets.lake.pipeline import PostgresPipeline
-from cdc_assets.postgres.snapshot import take_low_watermark
+from cdc_assets.sources.postgres.consistency import _touched_keys
+from cdc_assets.sources.postgres.pipeline import PostgresPipeline
+from cdc_assets.sources.postgres.snapshot import take_low_watermark
 from tests.integration.support import commit_held_by_absent_standby, pipeline_config, seeded_source
 from tests.integration.test_pipeline_guarantees import Writer, catch_up, stream_once
 
@@ -61,7 +61,7 @@ def check_all(pipeline: PostgresPipeline, spark, table, chunks: int, recorded: i
         results: dict = {}
         pending = list(range(chunks))
         for _ in range(4):
-            for result in check_chunks(pipeline, spark, table, pending, wait_seconds=120):
+            for result in pipeline.check_chunks(spark, table, pending, wait_seconds=120):
                 results[result.chunk] = result
             pending = [i for i in pending if not results[i].conclusive]
             if not pending:
@@ -253,7 +253,7 @@ def test_a_check_on_an_idle_source_is_conclusive_with_the_stream_as_deployed(sou
     streamer = threading.Thread(target=stream_when_due, daemon=True)
     streamer.start()
     try:
-        [result] = check_chunks(pipeline, spark, items, [0], wait_seconds=45)
+        [result] = pipeline.check_chunks(spark, items, [0], wait_seconds=45)
     finally:
         stop.set()
         streamer.join(120)

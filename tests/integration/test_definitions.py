@@ -35,7 +35,7 @@ from cdc_assets.engine.chunks import chunk_partition_key
 from cdc_assets.engine.lsn import parse_lsn
 from cdc_assets.lake.layout import SourceLake
 from cdc_assets.offsets import OffsetError, validate_postgres_offset
-from cdc_assets.postgres.stream import slot_position
+from cdc_assets.sources.postgres.stream import slot_position
 from sensors.consistency import RANGE_END_TAG, RANGE_START_TAG, check_job_name, sweep_name
 from tests.integration.support import PG_PORT, READER_PASSWORD, create_source, drop_source
 
@@ -243,7 +243,7 @@ def test_planner_reads_every_chunk_again_when_a_column_with_a_default_is_added(c
     path, admin_dsn = config_path
     defs = build_definitions(path)
     from cdc_assets.config import load_config
-    from cdc_assets.lake.pipeline import PostgresPipeline
+    from cdc_assets.sources.postgres.pipeline import PostgresPipeline
 
     planner = next(s for s in defs.sensors if s.name == "defs_planner_sensor")
     instance = DagsterInstance.ephemeral()
@@ -319,7 +319,7 @@ def test_a_backfill_of_several_chunks_and_the_sweep_check_every_chunk_of_their_r
 
     from cdc_assets.assets import chunk_partitions, table_asset_key
     from cdc_assets.config import load_config
-    from cdc_assets.lake.pipeline import PostgresPipeline
+    from cdc_assets.sources.postgres.pipeline import PostgresPipeline
     from tests.integration.test_consistency import Streamer
 
     path, admin_dsn = config_path
@@ -377,7 +377,7 @@ def test_chunk_check_runs_as_a_dagster_asset_check_and_reports_the_database_side
     any Dagster run."""
     from cdc_assets.assets import chunk_partitions
     from cdc_assets.config import load_config
-    from cdc_assets.lake.pipeline import PostgresPipeline
+    from cdc_assets.sources.postgres.pipeline import PostgresPipeline
     from tests.integration.test_consistency import Streamer
 
     path, admin_dsn = config_path
@@ -440,7 +440,9 @@ def test_a_failed_batch_is_retried_smaller_and_the_run_log_says_so(config_path, 
             errors.append(error.message)
             error = error.cause
     failure = next(m for m in errors if "stream batch of source 'defs' failed" in m)
-    assert failure.startswith("cdc_assets.lake.pipeline.StreamBatchError: stream batch of source 'defs' failed")
+    assert failure.startswith(
+        "cdc_assets.sources.postgres.pipeline.StreamBatchError: stream batch of source 'defs' failed"
+    )
     assert "failed in phase changelog" in failure and "30 changes in 30 transactions" in failure
     assert "at most 15 changes" in failure and "spark.driver.memory" in failure
     batches = result.asset_materializations_for_node(stream_asset.node_def.name)

@@ -16,8 +16,8 @@ from cdc_assets.engine.windows import finished_attempts, unrecorded_attempts
 from cdc_assets.lake import windows as window_log
 from cdc_assets.lake.maintenance import UNRECORDED_GRACE, maintain_lake
 from cdc_assets.lake.mirror import StagedRowsMismatch, last_applied_lsn
-from cdc_assets.lake.pipeline import PostgresPipeline
 from cdc_assets.lake.staging import drop_attempts, staged_attempt_times, staged_row_counts
+from cdc_assets.sources.postgres.pipeline import PostgresPipeline
 from tests.integration.support import mirror_rows, pipeline_config, seeded_source, source_rows
 from tests.integration.test_pipeline_basic import run_until_reconciled
 

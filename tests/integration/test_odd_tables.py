@@ -30,7 +30,7 @@ from psycopg import sql
 from cdc_assets.build import build_definitions
 from cdc_assets.engine.names import dagster_part
 from cdc_assets.engine.partitions import repartition_reason
-from cdc_assets.lake.pipeline import PostgresPipeline
+from cdc_assets.sources.postgres.pipeline import PostgresPipeline
 from tests.integration.support import PG_PORT, READER_PASSWORD, drop_source, mirror_rows
 from tests.integration.test_pipeline_guarantees import assert_exact, catch_up, stream_once
 

@@ -16,7 +16,7 @@ import pyarrow as pa
 import pytest
 from psycopg import sql
 
-from cdc_assets.engine.pg_values import (
+from cdc_assets.sources.postgres.pg_values import (
     UNREPRESENTABLE_COLUMN,
     PgColumn,
     apply_session_settings,
@@ -362,7 +362,7 @@ def test_copy_decodes_every_type(pg: psycopg.Connection, all_types: list[PgColum
 def test_pgoutput_text_decodes_identically(pg: psycopg.Connection, all_types: list[PgColumn]) -> None:
     """The stream path: the same rows, inserted under a logical slot, arrive as pgoutput text and decode to
     the same typed table as the COPY path."""
-    from cdc_assets.engine.pgoutput import PgOutputDecoder, RowChange
+    from cdc_assets.sources.postgres.pgoutput import PgOutputDecoder, RowChange
 
     pg.execute("create table all_types_stream (like all_types including all)")
     pg.execute("create publication codec_test_pub for table all_types_stream")

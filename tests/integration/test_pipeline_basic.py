@@ -8,7 +8,7 @@ import psycopg
 import pytest
 
 from cdc_assets.engine.lsn import parse_lsn
-from cdc_assets.lake.pipeline import PostgresPipeline
+from cdc_assets.sources.postgres.pipeline import PostgresPipeline
 from tests.integration.support import mirror_rows, pipeline_config, seeded_source, source_rows
 
 DATABASE = "pipe_basic"

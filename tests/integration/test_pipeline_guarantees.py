@@ -28,8 +28,8 @@ from pyspark.sql import functions as F
 
 from cdc_assets.config import CdcConfig
 from cdc_assets.engine.lsn import parse_lsn
-from cdc_assets.lake.pipeline import PostgresPipeline
-from cdc_assets.postgres.stream import current_flush_lsn, slot_position
+from cdc_assets.sources.postgres.pipeline import PostgresPipeline
+from cdc_assets.sources.postgres.stream import current_flush_lsn, slot_position
 from tests.integration.support import (
     commit_held_by_absent_standby,
     mirror_rows,
@@ -279,7 +279,7 @@ CRASH_SCRIPT = """
 import sys
 from pathlib import Path
 from cdc_assets.config import SparkConfig
-from cdc_assets.lake.pipeline import PostgresPipeline
+from cdc_assets.sources.postgres.pipeline import PostgresPipeline
 from cdc_assets.lake.spark import spark_session
 from tests.integration.support import pipeline_config
 

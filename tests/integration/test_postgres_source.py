@@ -9,9 +9,7 @@ import pytest
 from psycopg import sql
 
 from cdc_assets.config import ConfigError, PostgresConnection, Secret, SourceConfig, StreamConfig, TableConfig
-from cdc_assets.engine.pgoutput import Begin, Commit, PgOutputDecoder, RowChange
-from cdc_assets.engine.watermark import settled_at_low_watermark, widen_xid
-from cdc_assets.postgres.catalog import (
+from cdc_assets.sources.postgres.catalog import (
     check_replication_role,
     describe_table,
     discover,
@@ -20,8 +18,10 @@ from cdc_assets.postgres.catalog import (
     ensure_slot,
     with_current_columns,
 )
-from cdc_assets.postgres.connection import SourceError, connect
-from cdc_assets.postgres.snapshot import chunk_select, plan_chunks, take_high_watermark, take_low_watermark
+from cdc_assets.sources.postgres.connection import SourceError, connect
+from cdc_assets.sources.postgres.pgoutput import Begin, Commit, PgOutputDecoder, RowChange
+from cdc_assets.sources.postgres.snapshot import chunk_select, plan_chunks, take_high_watermark, take_low_watermark
+from cdc_assets.sources.postgres.watermark import settled_at_low_watermark, widen_xid
 from tests.integration.support import PG_PORT
 
 DATABASE = "source_test"
@@ -280,7 +280,7 @@ def test_config_error_type_is_value_error() -> None:
 
 def test_bad_input_fails_clearly_and_moves_no_offset(admin: psycopg.Connection, tmp_path) -> None:
     from cdc_assets.config import CdcConfig, SparkConfig
-    from cdc_assets.lake.pipeline import PostgresPipeline
+    from cdc_assets.sources.postgres.pipeline import PostgresPipeline
 
     admin.execute("set synchronous_commit = on")
     admin.execute("update ints set v = v || '' where id < 10")  # changes wait in the slot

@@ -11,10 +11,9 @@ from delta.tables import DeltaTable
 from psycopg import sql
 from pyspark.sql import functions as F
 
-from cdc_assets.engine.pg_values import UNREPRESENTABLE_COLUMN, apply_session_settings, spark_schema
-from cdc_assets.lake.consistency import check_chunks
-from cdc_assets.lake.pipeline import PostgresPipeline
-from cdc_assets.lake.row_digest import (
+from cdc_assets.sources.postgres.pg_values import UNREPRESENTABLE_COLUMN, apply_session_settings, spark_schema
+from cdc_assets.sources.postgres.pipeline import PostgresPipeline
+from cdc_assets.sources.postgres.row_digest import (
     mirror_column_texts,
     mirror_key_text,
     mirror_row_digest,
@@ -186,7 +185,7 @@ def test_database_side_checksum_matches_and_sees_a_one_ulp_change(mirrored, spar
     streamer = Streamer(pipeline, spark, recorded)  # the single-chunk check, as the Dagster asset check runs it
     streamer.start()
     try:
-        (result,) = check_chunks(pipeline, spark, table, [0], wait_seconds=120)
+        (result,) = pipeline.check_chunks(spark, table, [0], wait_seconds=120)
     finally:
         streamer.finish()
     assert result.conclusive and not result.matches

@@ -28,9 +28,9 @@ from pyspark.sql import functions as F
 from cdc_assets.config import CdcConfig, StreamConfig
 from cdc_assets.engine.batch_bounds import recover_in_flight, with_in_flight
 from cdc_assets.engine.lsn import parse_lsn
-from cdc_assets.lake.pipeline import PostgresPipeline, StreamBatchError
 from cdc_assets.lake.spark import default_driver_memory, memory_megabytes
-from cdc_assets.postgres.stream import current_flush_lsn
+from cdc_assets.sources.postgres.pipeline import PostgresPipeline, StreamBatchError
+from cdc_assets.sources.postgres.stream import current_flush_lsn
 from tests.integration.support import READER_PASSWORD, drop_source, pipeline_config
 
 DATABASE = "pipe_big_values"

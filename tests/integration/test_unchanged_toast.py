@@ -20,9 +20,9 @@ import pytest
 from psycopg import sql
 from pyspark.sql import functions as F
 
-import cdc_assets.lake.pipeline as pipeline_module
-from cdc_assets.lake.pipeline import PostgresPipeline
-from cdc_assets.postgres import stream as stream_module
+import cdc_assets.sources.postgres.pipeline as pipeline_module
+from cdc_assets.sources.postgres import stream as stream_module
+from cdc_assets.sources.postgres.pipeline import PostgresPipeline
 from tests.integration.support import (
     READER_PASSWORD,
     drop_source,

@@ -9,8 +9,8 @@ from pathlib import Path
 from delta.tables import DeltaTable
 from pyspark.sql import types as T
 
-from cdc_assets.engine.pg_values import UNREPRESENTABLE_COLUMN
 from cdc_assets.lake.mirror import META_FIELDS, fill_assignments
+from cdc_assets.sources.postgres.pg_values import UNREPRESENTABLE_COLUMN
 
 TEXT_MAP = T.MapType(T.StringType(), T.StringType())
 

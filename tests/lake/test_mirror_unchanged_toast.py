@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from pyspark.sql import types as T
 
-from cdc_assets.engine.pg_values import UNREPRESENTABLE_COLUMN, PgColumn
 from cdc_assets.lake.mirror import META_FIELDS, apply_changes
+from cdc_assets.sources.postgres.pg_values import UNREPRESENTABLE_COLUMN, PgColumn, spark_schema
 
 TEXT_MAP = T.MapType(T.StringType(), T.StringType())
 COLUMNS = [
@@ -52,7 +52,9 @@ def apply(spark, path: str, changes: list[tuple]) -> list[tuple]:
         after = None if op == "d" else (key, values.get("note", f"n{position}"), values.get("big"), None)
         before = None if old_key is None else (old_key, None, None, None)
         rows.append((op, position, seq, None, unchanged, after, before))
-    unknown = apply_changes(spark, path, spark.createDataFrame(rows, CHANGES), COLUMNS, ["id"], {"big"})
+    unknown = apply_changes(
+        spark, path, spark.createDataFrame(rows, CHANGES), spark_schema(COLUMNS).fields, ["id"], {"big"}
+    )
     return sorted(unknown)
 
 

@@ -11,7 +11,6 @@ import pyarrow as pa
 import pytest
 from pyspark.sql import types as T
 
-from cdc_assets.engine.pg_values import UNREPRESENTABLE_COLUMN, PgColumn, arrow_schema, decode_text_table, spark_schema
 from cdc_assets.lake.staging import (
     ATTEMPT_COLUMN,
     CHUNK_COLUMN,
@@ -20,6 +19,13 @@ from cdc_assets.lake.staging import (
     staged_attempt_times,
     staged_row_counts,
     write_part,
+)
+from cdc_assets.sources.postgres.pg_values import (
+    UNREPRESENTABLE_COLUMN,
+    PgColumn,
+    arrow_schema,
+    decode_text_table,
+    spark_schema,
 )
 
 INT2, INT4, INT8, FLOAT8, BOOL, NUMERIC, DATE, TIMESTAMP, TIMESTAMPTZ, BYTEA, TEXT = (
@@ -45,6 +51,7 @@ COLUMNS = [
     col("name", TEXT),
     PgColumn("tags", 1007, -1, "", "A", INT4, None, False),
 ]
+FIELDS = spark_schema(COLUMNS).fields
 TEXTS = {
     "id": ["1", "2", "3"],
     "small": ["-7", None, "32767"],
@@ -79,7 +86,7 @@ def test_every_codec_type_reads_back_as_its_spark_type_and_value(spark, tmp_path
     table = typed_rows(COLUMNS, TEXTS)
     rows = write_part(tmp_path, "a1", 3, 0, [table.slice(0, 2), table.slice(2)], arrow_schema(COLUMNS))
     assert rows == 3
-    staged = read_staged(spark, tmp_path, ["a1"], COLUMNS)
+    staged = read_staged(spark, tmp_path, ["a1"], FIELDS)
     assert staged.schema == expected_schema(COLUMNS)
     expected = spark.createDataFrame(table, schema=spark_schema(COLUMNS))
     names = [*(c.name for c in COLUMNS), UNREPRESENTABLE_COLUMN]
@@ -108,27 +115,27 @@ def test_a_retried_part_replaces_its_file_and_a_failed_one_leaves_nothing(spark,
         write_part(tmp_path, "a1", 1, 0, dies_after_one_batch(), schema)
     assert staged_row_counts(tmp_path, ["a1"]) == {("a1", 0): 3}  # no chunk 1 file, complete or partial
     assert sorted(os.listdir(tmp_path / "_cdc_attempt=a1")) == ["chunk-0-part-0.parquet", "chunk-0-part-1.parquet"]
-    assert read_staged(spark, tmp_path, ["a1"], COLUMNS).count() == 3
+    assert read_staged(spark, tmp_path, ["a1"], FIELDS).count() == 3
 
 
 def test_attempts_staged_before_a_column_was_added_read_it_as_null(spark, tmp_path: Path) -> None:
     before = [c for c in COLUMNS if c.name != "name"]
     write_part(tmp_path, "old", 0, 0, [typed_rows(before, TEXTS)], arrow_schema(before))
     write_part(tmp_path, "new", 0, 0, [typed_rows(COLUMNS, TEXTS)], arrow_schema(COLUMNS))
-    staged = read_staged(spark, tmp_path, ["old", "new"], COLUMNS)
+    staged = read_staged(spark, tmp_path, ["old", "new"], FIELDS)
     names = {(r[ATTEMPT_COLUMN], r["id"]): r["name"] for r in staged.collect()}
     assert names == {("old", 1): None, ("old", 2): None, ("old", 3): None,
                      ("new", 1): "", ("new", 2): None, ("new", 3): "ünïcode"}  # fmt: skip
     # only the attempts asked for are read
-    assert read_staged(spark, tmp_path, ["old"], COLUMNS).count() == 3
+    assert read_staged(spark, tmp_path, ["old"], FIELDS).count() == 3
 
 
 def test_empty_reads_missing_attempts_times_and_drops(spark, tmp_path: Path) -> None:
     schema = arrow_schema(COLUMNS)
     assert write_part(tmp_path, "a1", 5, 0, iter(()), schema) == 0  # a sub-range without rows still has a file
     assert staged_row_counts(tmp_path, ["a1", "gone"]) == {("a1", 5): 0}
-    assert read_staged(spark, tmp_path, ["a1"], COLUMNS).count() == 0
-    missing = read_staged(spark, tmp_path, ["gone"], COLUMNS)
+    assert read_staged(spark, tmp_path, ["a1"], FIELDS).count() == 0
+    missing = read_staged(spark, tmp_path, ["gone"], FIELDS)
     assert missing.count() == 0 and missing.schema == expected_schema(COLUMNS)
     write_part(tmp_path, "a2", 0, 0, [typed_rows(COLUMNS, TEXTS)], schema)
     os.utime(tmp_path / "_cdc_attempt=a1" / "chunk-5-part-0.parquet", (1_000_000, 1_000_000))
@@ -146,7 +153,7 @@ def test_attempt_ids_that_look_like_dates_or_numbers_stay_strings(spark, tmp_pat
     schema = arrow_schema(COLUMNS)
     for attempt in ("2024-01-01", "12"):
         write_part(tmp_path, attempt, 0, 0, [typed_rows(COLUMNS, TEXTS)], schema)
-    staged = read_staged(spark, tmp_path, ["2024-01-01", "12"], COLUMNS)
+    staged = read_staged(spark, tmp_path, ["2024-01-01", "12"], FIELDS)
     assert staged.schema[ATTEMPT_COLUMN].dataType == T.StringType()
     assert {r[ATTEMPT_COLUMN] for r in staged.collect()} == {"2024-01-01", "12"}
     assert spark.conf.get("spark.sql.sources.partitionColumnTypeInference.enabled") == "true"  # restored

@@ -5,7 +5,8 @@ from __future__ import annotations
 from py4j.protocol import Py4JNetworkError
 
 from cdc_assets.engine.batch_bounds import BatchBounds, after_failure
-from cdc_assets.lake.pipeline import _BatchProgress, big_batch_conf, describe_failure, failure_cause
+from cdc_assets.lake.spark import big_batch_conf
+from cdc_assets.sources.postgres.pipeline import _BatchProgress, describe_failure, failure_cause
 
 BOUNDS = BatchBounds(max_changes=500_000, max_bytes=256 << 20)
 

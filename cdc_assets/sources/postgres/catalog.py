@@ -9,7 +9,7 @@ Contract:
   Change Data Feed fails on it), or a table whose columns the codec refuses is skipped, each with its reason and
   the fix; ``discover_tables`` is ``discover(...).tables``. Partitioned tables are captured as their root
   (``relkind 'p'``): a read of the root covers every partition, and the stream maps a partition's changes to the
-  root (``cdc_assets.postgres.stream``). ``partitions_of`` lists a root's leaf partitions now.
+  root (``cdc_assets.sources.postgres.stream``). ``partitions_of`` lists a root's leaf partitions now.
 - Qualified names are ``cdc_assets.engine.names.qualify(schema, name)``; every statement quotes identifiers with
   ``sql.Identifier``.
 - ``with_current_columns`` returns a captured table with the columns the catalog lists at the moment of the call
@@ -36,8 +36,8 @@ from psycopg import errors, sql
 
 from cdc_assets.config import SourceConfig, TableConfig
 from cdc_assets.engine.names import qualify
-from cdc_assets.engine.pg_values import PgColumn, columns_from_catalog
-from cdc_assets.postgres.connection import SourceError
+from cdc_assets.sources.postgres.connection import SourceError
+from cdc_assets.sources.postgres.pg_values import PgColumn, columns_from_catalog
 
 BYTE_ORDERED_COLLATIONS = {"C", "POSIX", "ucs_basic", "C.UTF-8", "C.utf8", "pg_c_utf8"}
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import psycopg
 
 from cdc_assets.config import PostgresConnection
-from cdc_assets.engine.pg_values import apply_session_settings
+from cdc_assets.sources.postgres.pg_values import apply_session_settings
 
 
 class SourceError(RuntimeError):

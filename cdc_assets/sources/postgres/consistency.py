@@ -1,6 +1,7 @@
 """Per-chunk consistency check: does the mirror hold exactly the source's rows of one chunk?
 
-Contract: ``check_chunks(pipeline, spark, table, indexes)`` (several chunks of a table in one window, or one) runs a
+Contract: ``check_chunks(spark, lake, slot, connect, table, chunks)`` (several chunks of a table in one window, or
+one) runs a
 watermark window like a snapshot: low watermark; in one ``REPEATABLE READ, READ ONLY`` transaction PostgreSQL
 computes the chunk's row count and checksum (the sum of ``row_digest.source_row_digest`` over the key range); high
 watermark. It then waits until the stream has applied everything up to the high watermark (the slot's
@@ -24,9 +25,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
 
 import psycopg
 from delta.tables import DeltaTable
@@ -36,13 +35,15 @@ from pyspark.sql import functions as F
 from pyspark.sql.types import DataType
 
 from cdc_assets.engine.chunks import Chunk
-from cdc_assets.engine.pg_values import UNREPRESENTABLE_COLUMN, spark_schema
-from cdc_assets.engine.watermark import LowWatermark
 from cdc_assets.engine.windows import open_windows
 from cdc_assets.lake import windows as window_log
-from cdc_assets.lake.layout import TablePaths
-from cdc_assets.lake.mirror import _key_struct, _range_condition, _unsettled, q
-from cdc_assets.lake.row_digest import (
+from cdc_assets.lake.layout import SourceLake, TablePaths
+from cdc_assets.lake.mirror import _key_struct, _range_condition, q
+from cdc_assets.source import ChunkCheck
+from cdc_assets.sources.postgres import catalog, snapshot, stream
+from cdc_assets.sources.postgres.catalog import CapturedTable
+from cdc_assets.sources.postgres.pg_values import UNREPRESENTABLE_COLUMN, spark_schema
+from cdc_assets.sources.postgres.row_digest import (
     mirror_column_texts,
     mirror_key_text,
     mirror_row_digest,
@@ -50,28 +51,9 @@ from cdc_assets.lake.row_digest import (
     source_key_text,
     source_row_digest,
 )
-from cdc_assets.postgres import catalog, snapshot, stream
-from cdc_assets.postgres.catalog import CapturedTable
-
-if TYPE_CHECKING:
-    from cdc_assets.lake.pipeline import PostgresPipeline
+from cdc_assets.sources.postgres.watermark import LowWatermark, unsettled_condition
 
 SHOWN_TEXT_CHARS = 200
-
-
-@dataclass
-class ChunkCheck:
-    table: str
-    chunk: int
-    conclusive: bool
-    matches: bool
-    source_rows: int = 0
-    mirror_rows: int = 0
-    source_checksum: str = ""
-    mirror_checksum: str = ""
-    excluded_keys: int = 0
-    first_difference: str | None = None
-    reason: str | None = None
 
 
 def _source_summary(reader: psycopg.Connection, table: CapturedTable, chunk: Chunk) -> tuple[int, int]:
@@ -104,14 +86,14 @@ def _summary(frame: DataFrame) -> tuple[int, int]:
 
 
 def check_chunks(
-    pipeline: PostgresPipeline, spark: SparkSession, table: CapturedTable, indexes: Sequence[int],
-    wait_seconds: float = 120,
+    spark: SparkSession, lake: SourceLake, slot: str, connect: Callable[[], psycopg.Connection],
+    table: CapturedTable, chunks: Sequence[Chunk], wait_seconds: float = 120,
 ) -> list[ChunkCheck]:  # fmt: skip
-    """Check ``indexes`` of ``table`` in one watermark window (one wait for the stream); one result per index."""
-    plan = pipeline.plan(table)
-    chunks = [plan.chunks[i] for i in indexes]
-    paths = pipeline.lake.table(table.qualified_name)
-    with pipeline.connect() as conn, pipeline.connect() as reader:
+    """Check ``chunks`` of ``table`` (from its stored plan) in one watermark window (one wait for the stream); one
+    result per chunk. ``connect`` opens a connection to the source as the pipeline's role; ``slot`` is its slot."""
+    indexes = [c.index for c in chunks]
+    paths = lake.table(table.qualified_name)
+    with connect() as conn, connect() as reader:
         low_watermark = snapshot.take_low_watermark(conn)
         # the columns the table has now: every column added before the low watermark is compared (a column that no
         # write has brought to the mirror yet counts as NULL there)
@@ -123,12 +105,12 @@ def check_chunks(
             deadline = time.monotonic() + wait_seconds
             # ask for the batch that passes the high watermark: on a source nobody writes to, no change would
             token = uuid.uuid4().hex
-            pipeline.lake.mark_check_waiting(token, high_watermark)
+            lake.mark_check_waiting(token, high_watermark)
             try:
                 while True:
-                    if stream.slot_position(conn, pipeline.source.slot)[0] < high_watermark:
+                    if stream.slot_position(conn, slot)[0] < high_watermark:
                         reason = "the stream has not applied the check's high watermark yet"
-                    elif unreconciled := _unreconciled_windows(spark, pipeline, table, indexes, high_watermark):
+                    elif unreconciled := _unreconciled_windows(spark, lake, table, indexes, high_watermark):
                         reason = f"the snapshot windows of chunks {unreconciled} are not reconciled yet"
                     else:
                         break
@@ -136,7 +118,7 @@ def check_chunks(
                         return [_inconclusive(table, i, reason) for i in indexes]
                     time.sleep(1)
             finally:
-                pipeline.lake.clear_check_waiting(token)
+                lake.clear_check_waiting(token)
             checked = list(zip(indexes, chunks, sources, strict=True))
             return _compare(spark, reader, table, paths, low_watermark, checked)
         finally:
@@ -145,7 +127,7 @@ def check_chunks(
 
 
 def _unreconciled_windows(
-    spark: SparkSession, pipeline: PostgresPipeline, table: CapturedTable, indexes: Sequence[int], high_watermark: int
+    spark: SparkSession, lake: SourceLake, table: CapturedTable, indexes: Sequence[int], high_watermark: int
 ) -> list[int]:
     """Checked chunks whose staged snapshot window closes at or below the check's high watermark but is not
     reconciled yet. The slot having passed the high watermark does not say the stream reconciled them: on a
@@ -153,7 +135,7 @@ def _unreconciled_windows(
     recorded can end at the very position the check takes as its high watermark."""
     wanted = set(indexes)
     return sorted(
-        w.chunk for w in open_windows(window_log.read_events(spark, pipeline.lake.windows))
+        w.chunk for w in open_windows(window_log.read_events(spark, lake.windows))
         if w.table == table.qualified_name and w.chunk in wanted and w.hw <= high_watermark
     )  # fmt: skip
 
@@ -176,7 +158,7 @@ def _touched_keys(
     version = DeltaTable.forPath(spark, paths.changelog).history(1).first()["version"]
     log = spark.read.format("delta").option("versionAsOf", version).load(paths.changelog)
     log = log.where(F.col("_cdc_xid") >= lw.xmin)
-    log = log.where(_unsettled(F.lit(lw.xmin), F.lit(lw.xmax), F.array(*[F.lit(x) for x in sorted(lw.xip)])
+    log = log.where(unsettled_condition(F.lit(lw.xmin), F.lit(lw.xmax), F.array(*[F.lit(x) for x in sorted(lw.xip)])
                                .cast("array<long>")))  # fmt: skip
     if log.where(F.col("_cdc_op") == "t").limit(1).count():
         return None

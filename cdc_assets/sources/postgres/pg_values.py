@@ -48,8 +48,9 @@ import pyarrow.compute as pc
 import pyarrow.csv as pacsv
 from psycopg import pq, sql
 
+from cdc_assets.lake.schema import UNREPRESENTABLE_COLUMN, UNREPRESENTABLE_TYPE, spark_fields
+
 if TYPE_CHECKING:
-    from pyspark.sql.types import DataType as SparkDataType
     from pyspark.sql.types import StructType
 
 SESSION_SETTINGS: Final[dict[str, str]] = {
@@ -68,8 +69,6 @@ CSV reader and Arrow strings need. ``iso_8601`` intervals (``P1DT2H3.5S``) are a
 of DateStyle, that other tools parse (the ``postgres`` style depends on DateStyle and is no standard).
 ``lc_monetary=C`` makes money text independent of the server's locale."""
 
-UNREPRESENTABLE_COLUMN: Final = "_cdc_unrepresentable"
-UNREPRESENTABLE_TYPE: Final = pa.map_(pa.string(), pa.string())
 
 _INT2, _INT4, _INT8, _OID = 21, 23, 20, 26
 _FLOAT4, _FLOAT8, _BOOL, _NUMERIC = 700, 701, 16, 1700
@@ -300,36 +299,11 @@ def arrow_schema(columns: list[PgColumn]) -> pa.Schema:
     return pa.schema([*fields, pa.field(UNREPRESENTABLE_COLUMN, UNREPRESENTABLE_TYPE, nullable=True)])
 
 
-def _spark_type(arrow: pa.DataType) -> SparkDataType:
-    from pyspark.sql import types as T
-
-    if pa.types.is_list(arrow):
-        return T.ArrayType(_spark_type(arrow.value_type), containsNull=True)
-    if pa.types.is_map(arrow):
-        return T.MapType(_spark_type(arrow.key_type), _spark_type(arrow.item_type), valueContainsNull=True)
-    if pa.types.is_decimal(arrow):
-        return T.DecimalType(arrow.precision, arrow.scale)
-    if pa.types.is_timestamp(arrow):
-        return T.TimestampType() if arrow.tz is not None else T.TimestampNTZType()
-    simple = {
-        pa.int16(): T.ShortType(),
-        pa.int32(): T.IntegerType(),
-        pa.int64(): T.LongType(),
-        pa.float32(): T.FloatType(),
-        pa.float64(): T.DoubleType(),
-        pa.bool_(): T.BooleanType(),
-        pa.date32(): T.DateType(),
-        pa.binary(): T.BinaryType(),
-        pa.string(): T.StringType(),
-    }
-    return simple[arrow]
-
-
 def spark_schema(columns: list[PgColumn]) -> StructType:
     """``arrow_schema(columns)`` as Spark types (TimestampNTZ for timestamp, Timestamp for timestamptz)."""
     from pyspark.sql import types as T
 
-    return T.StructType([T.StructField(f.name, _spark_type(f.type), nullable=True) for f in arrow_schema(columns)])
+    return T.StructType(spark_fields(arrow_schema(columns)))
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -186,7 +186,7 @@ class PgOutputDecoder:
 
     def relation_of(self, data: bytes | memoryview) -> Relation:
         """The relation of an Insert, Update or Delete message (its row images are decoded elsewhere:
-        ``cdc_assets.engine.row_images`` decodes many at once); ``PgOutputError`` for one not announced."""
+        ``cdc_assets.sources.postgres.row_images`` decodes many at once); ``PgOutputError`` for one not announced."""
         (relation_id,) = _UINT32.unpack_from(data, 1)
         relation = self.relations.get(relation_id)
         if relation is None:

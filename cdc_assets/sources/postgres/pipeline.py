@@ -24,7 +24,7 @@ Contract (Dagster calls these from assets and sensors; tests call them directly)
   with input partitions of ``spill_bytes`` and its rows persisted on disk (``big_batch_conf``).
 - ``pending_work()`` says whether a batch is due (the streaming sensor and a long-lived stream run poll it);
   ``lag()`` is the slot's lag in bytes and seconds (the sensor records it on every tick).
-- ``check_chunks`` is ``cdc_assets.lake.consistency.check_chunks`` (PostgreSQL computes the source side).
+- ``check_chunks`` is ``cdc_assets.sources.postgres.consistency.check_chunks`` (PostgreSQL computes the source side).
 """
 
 from __future__ import annotations
@@ -58,7 +58,6 @@ from cdc_assets.engine.batch_bounds import (
 from cdc_assets.engine.chunks import Chunk, ChunkPlan
 from cdc_assets.engine.faults import fault_point, size_fault
 from cdc_assets.engine.lsn import format_lsn
-from cdc_assets.engine.pg_values import PgColumn, arrow_schema, copy_query_to_arrow
 from cdc_assets.engine.windows import FILL_CHUNK, RECONCILED, STAGED, ChunkWindow, closable, open_windows
 from cdc_assets.lake import staging
 from cdc_assets.lake import windows as window_log
@@ -69,53 +68,21 @@ from cdc_assets.lake.mirror import (
     apply_changes,
     reconcile,
 )
-from cdc_assets.lake.spark import DRIVER_MEMORY, default_driver_memory, session_conf
-from cdc_assets.postgres import catalog, snapshot, stream
-from cdc_assets.postgres.catalog import CapturedTable
-from cdc_assets.postgres.connection import SourceError, connect
+from cdc_assets.lake.spark import DRIVER_MEMORY, big_batch_conf, default_driver_memory, session_conf
 from cdc_assets.source import SnapshotReport, SourceLag, StreamReport
+from cdc_assets.sources.postgres import catalog, snapshot, stream
+from cdc_assets.sources.postgres.catalog import CapturedTable
+from cdc_assets.sources.postgres.connection import SourceError, connect
+from cdc_assets.sources.postgres.consistency import check_chunks
+from cdc_assets.sources.postgres.pg_values import PgColumn, arrow_schema, copy_query_to_arrow, spark_schema
+from cdc_assets.sources.postgres.watermark import PostgresSettledRule
 
 if TYPE_CHECKING:
-    from cdc_assets.lake.consistency import ChunkCheck
+    from cdc_assets.source import ChunkCheck
 
 USER_METADATA = "spark.databricks.delta.commitInfo.userMetadata"
+SETTLED_RULE = PostgresSettledRule()
 BOUNDS_FILE = "stream_bounds.json"
-# Spark's join planner estimates a frame's size from its Parquet files, compressed: a batch of big, compressible
-# values looks small and is broadcast (built whole in the driver's heap: "Not enough memory to build and broadcast
-# the table"), and so is a small-looking mirror of big values that unchanged TOAST values are looked up in
-AUTO_BROADCAST = "spark.sql.autoBroadcastJoinThreshold"
-MAX_PARTITION_BYTES = "spark.sql.files.maxPartitionBytes"
-MERGE_SOURCE_LEVEL = "spark.databricks.delta.merge.materializeSource.rddStorageLevel"
-
-
-PARQUET_BLOCK_SIZE = "parquet.block.size"  # Hadoop conf: the session's SQL conf is copied into each write's
-# parquet-mr measures a row group's buffered size compressed: a row group of big, compressible values is many times
-# that size when read (Spark's vectorized reader decodes a batch of a row group's rows whole: 60 values of 10 MB in
-# one 128 MB row group needed 630 MB at once). Rows of big values are written in row groups of this many compressed
-# bytes per spill_bytes (2 MB at 32 MB: 3 rows of 10 MB values that compress 20 times)
-BIG_ROW_GROUP_SHARE = 16
-
-
-def big_batch_conf(bytes_: int, rows: int, looks_up_mirror: bool, spill_bytes: int) -> dict[str, str]:
-    """Session settings for one table's part of a batch (or its staged rows being reconciled), ``bytes_`` of
-    changes (or staged rows) in ``rows`` rows:
-    - more bytes than one spill part: no automatic broadcast joins, input partitions of at most ``spill_bytes``,
-      the MERGE's materialized source on disk;
-    - rows of big values (on average at least ``spill_bytes / 1024`` bytes): Parquet row groups of
-      ``spill_bytes / BIG_ROW_GROUP_SHARE`` compressed bytes in the files written (mirror, changelog), so whoever
-      reads them later holds one small row group at a time;
-    - ``looks_up_mirror`` (unchanged TOAST values, which only big values have, are looked up in the mirror): no
-      automatic broadcast joins, the mirror side may hold big values.
-    A small batch of small rows keeps Spark's defaults (broadcasting a small batch spares a big mirror's shuffle)."""
-    conf: dict[str, str] = {}
-    if bytes_ > spill_bytes or looks_up_mirror:
-        conf[AUTO_BROADCAST] = "-1"
-    if bytes_ > spill_bytes:
-        conf[MAX_PARTITION_BYTES] = str(spill_bytes)
-        conf[MERGE_SOURCE_LEVEL] = "DISK_ONLY"
-    if rows and bytes_ / rows >= spill_bytes / 1024:
-        conf[PARQUET_BLOCK_SIZE] = str(max(spill_bytes // BIG_ROW_GROUP_SHARE, 64 * 1024))
-    return conf
 
 
 class StreamBatchError(RuntimeError):
@@ -309,7 +276,7 @@ class PostgresPipeline:
         fault_point("snapshot.before_window_record")
         now = datetime.now(UTC)
         windows = [
-            ChunkWindow(table.qualified_name, c.index, attempt, lw_lsn, low_watermark, high_watermark,
+            ChunkWindow(table.qualified_name, c.index, attempt, lw_lsn, low_watermark.text(), high_watermark,
                         counts.get(c.index, 0), now)
             for c in chunks
         ]  # fmt: skip
@@ -480,8 +447,8 @@ class PostgresPipeline:
                         progress.phase, mark = "merge", time.monotonic()
                         truncate = max(((positions[c], q) for c, q in spill.truncations), default=None)
                         unknown = apply_changes(
-                            spark, paths.mirror, changes, columns, table.key_columns, set(spill.unchanged_columns),
-                            truncate,
+                            spark, paths.mirror, changes, spark_schema(columns).fields, table.key_columns,
+                            set(spill.unchanged_columns), truncate,
                         )  # fmt: skip
                         fault_point("stream.after_merge")
                         if unknown:
@@ -567,8 +534,8 @@ class PostgresPipeline:
             )  # fmt: skip
             rows = staging.write_part(staging_path, attempt, FILL_CHUNK, 0, parts, arrow_schema(columns))
             high_watermark = snapshot.take_high_watermark(conn)  # after every read finished
-        window = ChunkWindow(table.qualified_name, FILL_CHUNK, attempt, lw_lsn, low_watermark, high_watermark, rows,
-                             datetime.now(UTC))  # fmt: skip
+        window = ChunkWindow(table.qualified_name, FILL_CHUNK, attempt, lw_lsn, low_watermark.text(), high_watermark,
+                             rows, datetime.now(UTC))  # fmt: skip
         window_log.record(spark, self.lake.windows, STAGED, [window])
         self.lake.mark_waiting(window.table, window.chunk, window.hw)
 
@@ -599,8 +566,8 @@ class PostgresPipeline:
             staged_rows = sum(w.rows for w in windows)
             with session_conf(spark, big_batch_conf(staged_bytes, staged_rows, False, self.source.stream.spill_bytes)):
                 results = reconcile(
-                    spark, paths.mirror, paths.changelog, paths.staging, list(table.columns), table.key_columns,
-                    windows, chunks,
+                    spark, paths.mirror, paths.changelog, paths.staging, spark_schema(list(table.columns)).fields,
+                    table.key_columns, windows, chunks, SETTLED_RULE,
                 )  # fmt: skip
             counts = {(r.table, r.chunk): (r.kept, r.dropped, r.deleted) for r in results}
             window_log.record(spark, self.lake.windows, RECONCILED, windows, counts)
@@ -641,9 +608,9 @@ class PostgresPipeline:
         self, spark: SparkSession, table: CapturedTable, indexes: Sequence[int], wait_seconds: float = 120
     ) -> list[ChunkCheck]:
         """Count and checksum of ``indexes``' key ranges, by PostgreSQL and over the mirror (``check_chunks``)."""
-        from cdc_assets.lake.consistency import check_chunks
-
-        return check_chunks(self, spark, table, indexes, wait_seconds)
+        plan = self.plan(table)
+        chunks = [plan.chunks[i] for i in indexes]
+        return check_chunks(spark, self.lake, self.source.slot, self.connect, table, chunks, wait_seconds)
 
     # -- slot ------------------------------------------------------------------------------------------------
     def lag(self) -> SourceLag:

@@ -31,7 +31,7 @@ from pyspark.sql import Column
 from pyspark.sql import functions as F
 from pyspark.sql import types as T
 
-from cdc_assets.engine.pg_values import UNREPRESENTABLE_COLUMN, PgColumn, spark_schema
+from cdc_assets.sources.postgres.pg_values import UNREPRESENTABLE_COLUMN, PgColumn, spark_schema
 
 _BOX = 603
 _NUMERIC_TRAILING_ZEROS = r"(\.[0-9]*[1-9])0+(?=[,}]|$)"

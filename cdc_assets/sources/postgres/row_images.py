@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 
-from cdc_assets.engine.pgoutput import PgOutputError
+from cdc_assets.sources.postgres.pgoutput import PgOutputError
 
 _INSERT, _UPDATE, _DELETE = 0x49, 0x55, 0x44  # I U D
 _NEW, _KEY, _OLD = 0x4E, 0x4B, 0x4F  # N K O

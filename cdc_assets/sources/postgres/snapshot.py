@@ -24,8 +24,8 @@ from cdc_assets.engine.chunks import (
     plan_even_integer_chunks,
 )
 from cdc_assets.engine.lsn import parse_lsn
-from cdc_assets.engine.watermark import LowWatermark
-from cdc_assets.postgres.catalog import CapturedTable
+from cdc_assets.sources.postgres.catalog import CapturedTable
+from cdc_assets.sources.postgres.watermark import LowWatermark
 
 INTEGER_TYPES = {"smallint", "integer", "bigint"}
 

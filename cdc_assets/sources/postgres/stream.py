@@ -12,8 +12,8 @@ Contract:
   value (a value is held whole, a few times over while it is decoded). Rows are fetched from the cursor in
   numbers that keep one fetch at about ``spill_bytes / 4`` at the message sizes seen so far (doubling from one
   row). A row change is kept as its message until its part is written, then the part's messages are
-  decoded together, column by column (``cdc_assets.engine.row_images``). Values are decoded with the same codec as
-  the snapshot path.
+  decoded together, column by column (``cdc_assets.sources.postgres.row_images``). Values are decoded with the
+  same codec as the snapshot path.
 - Each spilled change carries ``_cdc_commit_lsn`` (the commit record's start, known at Begin) and ``_cdc_seq`` (order
   within its transaction); ``spill_dir/transactions.parquet`` maps each commit to its ``end_lsn`` (the change's
   ``_cdc_position``), 64-bit xid and commit time.
@@ -46,12 +46,12 @@ import pyarrow.parquet as pq
 
 from cdc_assets.engine.lsn import format_lsn, parse_lsn
 from cdc_assets.engine.names import lake_folder, qualify
-from cdc_assets.engine.pg_values import PgColumn, columns_from_catalog, decode_text_table
-from cdc_assets.engine.pgoutput import Begin, Commit, PgOutputDecoder, Relation, Truncate
-from cdc_assets.engine.row_images import decode_row_images
-from cdc_assets.engine.watermark import widen_xid
-from cdc_assets.postgres.catalog import CapturedTable
-from cdc_assets.postgres.snapshot import in_recovery
+from cdc_assets.sources.postgres.catalog import CapturedTable
+from cdc_assets.sources.postgres.pg_values import PgColumn, columns_from_catalog, decode_text_table
+from cdc_assets.sources.postgres.pgoutput import Begin, Commit, PgOutputDecoder, Relation, Truncate
+from cdc_assets.sources.postgres.row_images import decode_row_images
+from cdc_assets.sources.postgres.snapshot import in_recovery
+from cdc_assets.sources.postgres.watermark import widen_xid
 
 ROW_CHANGE_TYPES = frozenset(b"IUD")  # Insert, Update, Delete
 META_COLUMNS = ("_cdc_op", "_cdc_commit_lsn", "_cdc_seq", "_cdc_before_key_only", "_cdc_unchanged")

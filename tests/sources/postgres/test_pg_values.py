@@ -10,8 +10,8 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from cdc_assets.engine import pg_values as pv
-from cdc_assets.engine.pg_values import (
+from cdc_assets.sources.postgres import pg_values as pv
+from cdc_assets.sources.postgres.pg_values import (
     SESSION_SETTINGS,
     UNREPRESENTABLE_COLUMN,
     PgColumn,

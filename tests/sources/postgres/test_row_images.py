@@ -7,8 +7,8 @@ import struct
 
 import pytest
 
-from cdc_assets.engine.pgoutput import UNCHANGED_TOAST, PgOutputDecoder, PgOutputError, RowChange
-from cdc_assets.engine.row_images import decode_row_images
+from cdc_assets.sources.postgres.pgoutput import UNCHANGED_TOAST, PgOutputDecoder, PgOutputError, RowChange
+from cdc_assets.sources.postgres.row_images import decode_row_images
 
 RELATION_ID = 16384
 COLUMNS = 5

@@ -1,5 +1,5 @@
 """A spill part holds each change's images, unchanged-TOAST marks and truncations as the stream's reader wrote them
-before the column-wise decode: the rules of ``cdc_assets.postgres.stream`` on hand-built pgoutput messages."""
+before the column-wise decode: the rules of ``cdc_assets.sources.postgres.stream`` on hand-built pgoutput messages."""
 
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
-from cdc_assets.engine.pg_values import PgColumn
-from cdc_assets.engine.pgoutput import UNCHANGED_TOAST
-from cdc_assets.postgres.catalog import CapturedTable
-from cdc_assets.postgres.stream import TableSpill
-from tests.engine.test_row_images import delete, insert, update
+from cdc_assets.sources.postgres.catalog import CapturedTable
+from cdc_assets.sources.postgres.pg_values import PgColumn
+from cdc_assets.sources.postgres.pgoutput import UNCHANGED_TOAST
+from cdc_assets.sources.postgres.stream import TableSpill
+from tests.sources.postgres.test_row_images import delete, insert, update
 
 U = UNCHANGED_TOAST
 COLUMNS = [

@@ -1,6 +1,6 @@
 import pytest
 
-from cdc_assets.engine.watermark import LowWatermark, settled_at_low_watermark, widen_xid
+from cdc_assets.sources.postgres.watermark import LowWatermark, settled_at_low_watermark, widen_xid
 
 
 def test_settled_below_xmin_and_finished_below_xmax() -> None:
