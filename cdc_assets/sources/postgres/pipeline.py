@@ -5,7 +5,8 @@ Contract (Dagster calls these from assets and sensors; tests call them directly)
   them and the slot exists (created only when missing and allowed; otherwise ``SourceError`` with the statement an
   administrator can run). The slot exists before any snapshot window opens, so no change is ever missed.
 - ``plan(table)`` returns the stored chunk plan, planning and storing it on first use (immutable afterwards).
-- ``snapshot(spark, table, chunk_indexes, run_id)`` runs one watermark window (DESIGN.md) around reading the
+- ``snapshot(spark, table, chunk_indexes, run_id)`` runs one watermark window (DESIGN.md; the sequence is the
+  generic ``cdc_assets.lake.watermark_window.run_window``, with ``PostgresWatermarks``) around reading the
   chunks: low watermark, parallel sub-range reads in Spark tasks (psycopg ``COPY`` into Arrow inside each task,
   ``mapInArrow``; each task writes its rows as a staged Parquet file of a fresh attempt id,
   ``cdc_assets.lake.staging``), high watermark after the Spark job finished, then the window is recorded as
@@ -58,7 +59,7 @@ from cdc_assets.engine.batch_bounds import (
 from cdc_assets.engine.chunks import Chunk, ChunkPlan
 from cdc_assets.engine.faults import fault_point, size_fault
 from cdc_assets.engine.lsn import format_lsn
-from cdc_assets.engine.windows import FILL_CHUNK, RECONCILED, STAGED, ChunkWindow, closable, open_windows
+from cdc_assets.engine.windows import FILL_CHUNK, RECONCILED, ChunkWindow, closable, open_windows
 from cdc_assets.lake import staging
 from cdc_assets.lake import windows as window_log
 from cdc_assets.lake.layout import SourceLake
@@ -69,6 +70,7 @@ from cdc_assets.lake.mirror import (
     reconcile,
 )
 from cdc_assets.lake.spark import DRIVER_MEMORY, big_batch_conf, default_driver_memory, session_conf
+from cdc_assets.lake.watermark_window import run_window
 from cdc_assets.source import SnapshotReport, SourceLag, StreamReport
 from cdc_assets.sources.postgres import catalog, snapshot, stream
 from cdc_assets.sources.postgres.catalog import CapturedTable
@@ -265,31 +267,23 @@ class PostgresPipeline:
         attempt = f"{run_id}-{uuid.uuid4().hex[:8]}"
         paths = self.lake.table(table.qualified_name)
         with self.connect() as conn:
-            lw_lsn = snapshot.take_insert_lsn(conn)
-            low_watermark = snapshot.take_low_watermark(conn)  # step 1: every read below starts after this
-            # read the columns the table has now: a column added after the run described the table, and set by a
-            # transaction settled at the low watermark, is in the rows the reads see (else staged without it and
-            # reconciled as NULL over the stream's value: a lost update)
-            table = catalog.with_current_columns(conn, table)
-            counts = self.stage_chunks(spark, conn, table, chunks, paths.staging, attempt)  # step 2
-            high_watermark = snapshot.take_high_watermark(conn)  # step 3: after every read finished
-        fault_point("snapshot.before_window_record")
-        now = datetime.now(UTC)
-        windows = [
-            ChunkWindow(table.qualified_name, c.index, attempt, lw_lsn, low_watermark.text(), high_watermark,
-                        counts.get(c.index, 0), now)
-            for c in chunks
-        ]  # fmt: skip
-        window_log.record(spark, self.lake.windows, STAGED, windows)  # step 4
-        for window in windows:
-            self.lake.mark_waiting(window.table, window.chunk, window.hw)
+
+            def read() -> dict[int, int]:
+                # the columns the table has now (after the low watermark): a column added after the run described
+                # the table, and set by a transaction settled at the low watermark, is in the rows the reads see
+                # (else staged without it and reconciled as NULL over the stream's value: a lost update)
+                current = catalog.with_current_columns(conn, table)
+                return self.stage_chunks(spark, conn, current, chunks, paths.staging, attempt)
+
+            windows = run_window(spark, self.lake, table.qualified_name, [c.index for c in chunks], attempt,
+                                 snapshot.PostgresWatermarks(conn), read)  # fmt: skip
         return SnapshotReport(
             attempt=attempt,
-            rows=sum(counts.values()),
-            per_chunk=counts,
+            rows=sum(w.rows for w in windows),
+            per_chunk={w.chunk: w.rows for w in windows},
             seconds=time.monotonic() - started,
-            low_watermark=f"{low_watermark.xmin}:{low_watermark.xmax}",
-            hw=high_watermark,
+            low_watermark=windows[0].low_watermark if windows else "",
+            hw=windows[0].hw if windows else 0,
         )
 
     def stage_chunks(
@@ -522,22 +516,23 @@ class PostgresPipeline:
     ) -> None:
         attempt = f"fill-{uuid.uuid4().hex[:12]}"
         with self.connect() as conn:
-            lw_lsn = snapshot.take_insert_lsn(conn)
-            low_watermark = snapshot.take_low_watermark(conn)  # every read below starts after this
-            readable = catalog.with_current_columns(conn, table)
-            columns = list(readable.columns)
-            parts = (
-                part
-                for start in range(0, len(keys), 1000)
-                for part in copy_query_to_arrow(conn, snapshot.rows_by_key_select(readable, keys[start : start + 1000]),
-                                                columns)
-            )  # fmt: skip
-            rows = staging.write_part(staging_path, attempt, FILL_CHUNK, 0, parts, arrow_schema(columns))
-            high_watermark = snapshot.take_high_watermark(conn)  # after every read finished
-        window = ChunkWindow(table.qualified_name, FILL_CHUNK, attempt, lw_lsn, low_watermark.text(), high_watermark,
-                             rows, datetime.now(UTC))  # fmt: skip
-        window_log.record(spark, self.lake.windows, STAGED, [window])
-        self.lake.mark_waiting(window.table, window.chunk, window.hw)
+
+            def read() -> dict[int, int]:
+                readable = catalog.with_current_columns(conn, table)
+                columns = list(readable.columns)
+                parts = (
+                    part
+                    for start in range(0, len(keys), 1000)
+                    for part in copy_query_to_arrow(
+                        conn, snapshot.rows_by_key_select(readable, keys[start : start + 1000]), columns
+                    )
+                )
+                return {
+                    FILL_CHUNK: staging.write_part(staging_path, attempt, FILL_CHUNK, 0, parts, arrow_schema(columns))
+                }
+
+            run_window(spark, self.lake, table.qualified_name, [FILL_CHUNK], attempt, snapshot.PostgresWatermarks(conn),
+                       read)  # fmt: skip
 
     def _columns(self, table: CapturedTable, added: list[PgColumn]) -> list[PgColumn]:
         known = {c.name for c in table.columns}

@@ -138,6 +138,22 @@ def take_insert_lsn(conn: psycopg.Connection) -> int:
     return take_high_watermark(conn)
 
 
+class PostgresWatermarks:
+    """The ``Watermarks`` of a window (``cdc_assets.lake.watermark_window``) on one connection: the low watermark is
+    ``pg_current_snapshot()`` (its text), with the WAL insert position taken just before it; the high watermark the
+    WAL insert position (replay position on a standby) after the reads."""
+
+    def __init__(self, conn: psycopg.Connection) -> None:
+        self.conn = conn
+
+    def low_watermark(self) -> tuple[int, str]:
+        position = take_insert_lsn(self.conn)
+        return position, take_low_watermark(self.conn).text()
+
+    def high_watermark(self) -> int:
+        return take_high_watermark(self.conn)
+
+
 def max_integer_key(conn: psycopg.Connection, table: CapturedTable) -> int | None:
     """The largest key of a single-integer-key table (to split the open-ended last chunk), else ``None``."""
     if len(table.key) != 1 or table.key[0].type_name not in INTEGER_TYPES:
