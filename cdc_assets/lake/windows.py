@@ -6,7 +6,7 @@ as ``WindowEvent``s for ``cdc_assets.engine.windows``. Rows carry the low waterm
 text of it; ``lw_lsn``: the position taken just before it), the high watermark, the chunk's staged row count, and for
 ``reconciled`` the kept/dropped/deleted counts. Logs written before the low watermark became the source's text hold
 PostgreSQL's snapshot as ``xmin``, ``xmax``, ``xip`` (then the only source kind): read as that snapshot's text; new
-rows leave those columns NULL, and the first new append adds the ``low_watermark`` column (schema merge).
+rows leave those columns out (NULL in such a log), and the first new append adds ``low_watermark`` (schema merge).
 """
 
 from __future__ import annotations
@@ -28,9 +28,6 @@ SCHEMA = T.StructType(
         T.StructField("attempt", T.StringType()),
         T.StructField("event", T.StringType()),
         T.StructField("lw_lsn", T.LongType()),
-        T.StructField("xmin", T.LongType()),
-        T.StructField("xmax", T.LongType()),
-        T.StructField("xip", T.ArrayType(T.LongType())),
         T.StructField("hw", T.LongType()),
         T.StructField("rows", T.LongType()),
         T.StructField("kept", T.LongType()),
@@ -56,7 +53,7 @@ def record(
     for w in windows:
         kept, dropped, deleted = (counts or {}).get((w.table, w.chunk), (None, None, None))
         rows.append(
-            (w.table, w.chunk, w.attempt, event, w.lw_lsn, None, None, None, w.hw, w.rows,
+            (w.table, w.chunk, w.attempt, event, w.lw_lsn, w.hw, w.rows,
              kept, dropped, deleted, w.at if event == "staged" else now, w.low_watermark)
         )  # fmt: skip
     frame = spark.createDataFrame(rows, SCHEMA)

@@ -14,7 +14,25 @@ from cdc_assets.engine.windows import STAGED, ChunkWindow, open_windows
 from cdc_assets.lake import windows as window_log
 
 AT = datetime(2026, 11, 26, 12, 0, tzinfo=UTC)
-OLD_SCHEMA = T.StructType([f for f in window_log.SCHEMA.fields if f.name != "low_watermark"])
+OLD_SCHEMA = T.StructType(
+    [
+        *[
+            T.StructField(n, t)
+            for n, t in (
+                ("table", T.StringType()),
+                ("chunk", T.IntegerType()),
+                ("attempt", T.StringType()),
+                ("event", T.StringType()),
+            )
+        ],
+        T.StructField("lw_lsn", T.LongType()),
+        T.StructField("xmin", T.LongType()),
+        T.StructField("xmax", T.LongType()),
+        T.StructField("xip", T.ArrayType(T.LongType())),
+        *[T.StructField(n, T.LongType()) for n in ("hw", "rows", "kept", "dropped", "deleted")],
+        T.StructField("at", T.TimestampType()),
+    ]
+)  # the window log's schema before the low watermark became the source's text
 
 
 def test_a_log_of_before_the_text_column_reads_as_postgres_text_and_takes_new_rows(spark, tmp_path: Path) -> None:
