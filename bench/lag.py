@@ -93,8 +93,6 @@ def _pipeline(args: argparse.Namespace) -> tuple[Any, Any, Any]:
 
 
 def worker_stream(args: argparse.Namespace) -> None:
-    from cdc_assets.engine.lsn import parse_lsn
-
     events = Path(args.events)
     stop = Path(args.stop_file)
     _event(events, {"kind": "stream_start"})
@@ -104,13 +102,14 @@ def worker_stream(args: argparse.Namespace) -> None:
     recorded = None
     while True:
         report = pipeline.stream_batch(spark, recorded, run_id)
-        recorded = parse_lsn(str(report.offset["lsn"]))
+        recorded = report.offset
         pipeline.acknowledge(recorded)
+        applied = pipeline.position(recorded)
         _event(events, {"kind": "batch", "changes": report.changes, "seconds": report.seconds,
-                        "lag_bytes": report.lag_bytes, "lag_seconds": report.lag_seconds, "applied": recorded,
+                        "lag_bytes": report.lag_bytes, "lag_seconds": report.lag_seconds, "applied": applied,
                         "reconciled": len(report.reconciled), "waiting": report.waiting_windows,
                         "phases": getattr(report, "phase_seconds", {})})  # fmt: skip
-        if stop.exists() and report.waiting_windows == 0 and recorded >= int(stop.read_text() or 0):
+        if stop.exists() and report.waiting_windows == 0 and applied >= int(stop.read_text() or 0):
             break
     spark.stop()
 

@@ -134,7 +134,6 @@ def worker_ours(args: argparse.Namespace) -> dict[str, Any]:
     lake = Path(args.out)
     sampler = Sampler(os.getpid()).start()
     started = time.monotonic()
-    from cdc_assets.engine.lsn import parse_lsn
     from cdc_assets.lake.spark import spark_session
     from cdc_assets.sources.postgres.pipeline import PostgresPipeline
 
@@ -163,7 +162,7 @@ def worker_ours(args: argparse.Namespace) -> dict[str, Any]:
     recorded = None
     while True:
         report = pipeline.stream_batch(spark, recorded, run_id)
-        recorded = parse_lsn(str(report.offset["lsn"]))
+        recorded = report.offset
         pipeline.acknowledge(recorded)
         batches.append({"changes": report.changes, "reconciled": len(report.reconciled),
                         "waiting": report.waiting_windows, "seconds": round(report.seconds, 2)})  # fmt: skip

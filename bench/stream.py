@@ -164,7 +164,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(args: argparse.Namespace, lake: Path) -> dict[str, Any]:
-    from cdc_assets.engine.lsn import parse_lsn
     from cdc_assets.lake.spark import spark_session
     from cdc_assets.sources.postgres.pipeline import PostgresPipeline
 
@@ -185,7 +184,7 @@ def run(args: argparse.Namespace, lake: Path) -> dict[str, Any]:
     recorded = None
     while True:
         report = pipeline.stream_batch(spark, recorded, run_id)
-        recorded = parse_lsn(str(report.offset["lsn"]))
+        recorded = report.offset
         pipeline.acknowledge(recorded)
         if report.waiting_windows == 0:
             break
@@ -219,10 +218,12 @@ def run(args: argparse.Namespace, lake: Path) -> dict[str, Any]:
     batches = []
     started = time.monotonic()
     applied = 0
-    while recorded is None or recorded < end_lsn:
+    position = pipeline.position(recorded) if recorded is not None else None
+    while position is None or position < end_lsn:
         report = pipeline.stream_batch(spark, recorded, run_id)
-        previous, recorded = recorded, parse_lsn(str(report.offset["lsn"]))
-        bounds.append((previous, recorded))
+        recorded = report.offset
+        previous, position = position, pipeline.position(recorded)
+        bounds.append((previous, position))
         pipeline.acknowledge(recorded)
         applied += report.changes
         batches.append({"t": round(time.monotonic() - started, 2), "changes": report.changes,

@@ -1,14 +1,15 @@
 """Dagster assets of one source: a chunk-partitioned asset per captured table, and the stream asset.
 
-Thin glue: the work is done by the source's ``CdcSource`` (``cdc_assets.source``; PostgreSQL:
-``cdc_assets.sources.postgres.pipeline``). A table asset's partition is one chunk of its stored plan;
+Thin glue, the same for every source kind: the work is done by the source's ``CdcSource`` (``cdc_assets.source``:
+the generic ``cdc_assets.pipeline`` over the kind's dialect). A table asset's partition is one chunk of its stored plan;
 materializing partitions snapshots those chunks in one watermark window and stages them; each of the stream
 asset's materializations is one micro-batch, and its metadata holds the offset (DDD-4 field names). A stream run
 keeps its Spark session across batches for ``stream.run_seconds``, so a batch does not pay a driver start.
 
 Names: a table's asset key is ``[source, dagster_part(schema), dagster_part(table)]`` and its partition set
 ``<source>__<table_slug>__chunks`` (``cdc_assets.engine.names``: ordinary names unchanged, any other name valid,
-stable and collision-free); the real name is in the description and in the ``postgres_table`` metadata.
+stable and collision-free); the real name is in the description and in the ``postgres_table`` (MongoDB:
+``mongodb_collection``) metadata.
 A selected table that cannot be captured (``CdcSource.skipped``) gets an asset of its own without materializations
 (``build_skipped_table``) whose check ``table_is_captured`` fails naming the reason and the fix: the planner sensor
 records that evaluation, and a run of the check evaluates it again.
@@ -45,7 +46,6 @@ from dagster import (
 from cdc_assets.config import SourceConfig
 from cdc_assets.engine.chunks import chunk_index, chunk_partition_key
 from cdc_assets.engine.faults import fault_point
-from cdc_assets.engine.lsn import format_lsn, parse_lsn
 from cdc_assets.engine.names import dagster_part, split_qualified, table_slug
 from cdc_assets.lake.layout import UpkeepStep
 from cdc_assets.range_check import RangeCheck, check_range
@@ -98,9 +98,9 @@ def build_table_asset(source: SourceConfig, qualified_name: str) -> AssetsDefini
         retry_policy=RETRY,
         required_resource_keys={"cdc"},
         group_name=source.name,
-        kinds={"postgres", "spark", "delta"},
+        kinds={source.kind, "spark", "delta"},
         description=f"Delta mirror of {qualified_name}; one partition per primary-key chunk (snapshot + reconcile).",
-        metadata={"postgres_table": qualified_name},
+        metadata={table_metadata_key(source): qualified_name},
     )
     def table_chunks(context: AssetExecutionContext) -> MaterializeResult:
         pipeline = context.resources.cdc.pipeline(source.name)
@@ -118,9 +118,9 @@ def build_table_asset(source: SourceConfig, qualified_name: str) -> AssetsDefini
                 "seconds": round(report.seconds, 3),
                 "rows_per_second": round(report.rows / report.seconds, 1) if report.seconds else 0.0,
                 "low_watermark": report.low_watermark,
-                "high_watermark": MetadataValue.text(format_lsn(report.hw)),
+                "high_watermark": MetadataValue.text(pipeline.format_position(report.hw)),
                 "attempt": report.attempt,
-                "postgres_table": qualified_name,
+                table_metadata_key(source): qualified_name,
                 "mirror": MetadataValue.path(paths.mirror),
             }
         )
@@ -237,9 +237,9 @@ def build_skipped_table(
     spec = AssetSpec(
         key=key,
         group_name=source.name,
-        kinds={"postgres"},
+        kinds={source.kind},
         description=f"NOT CAPTURED: {skipped.message}",
-        metadata={"postgres_table": skipped.qualified_name, "reason": skipped.reason, "fix": skipped.fix},
+        metadata={table_metadata_key(source): skipped.qualified_name, "reason": skipped.reason, "fix": skipped.fix},
     )
     qualified_name = skipped.qualified_name
 
@@ -255,7 +255,7 @@ def build_skipped_table(
         pipeline.prepare()
         current = {t.qualified_name: t for t in pipeline.skipped()}
         if qualified_name in current:
-            return AssetCheckResult(**skipped_table_evaluation(current[qualified_name]))
+            return AssetCheckResult(**skipped_table_evaluation(source, current[qualified_name]))
         return AssetCheckResult(
             passed=qualified_name in pipeline.tables,
             description=(
@@ -263,18 +263,23 @@ def build_skipped_table(
                 if qualified_name in pipeline.tables
                 else f"{qualified_name} is no longer selected by source {source.name!r}"
             ),
-            metadata={"postgres_table": qualified_name},
+            metadata={table_metadata_key(source): qualified_name},
         )
 
     return AssetsDefinition(specs=[spec]), table_is_captured
 
 
-def skipped_table_evaluation(skipped: SkippedTableLike) -> dict[str, Any]:
+def table_metadata_key(source: SourceConfig) -> str:
+    """The metadata key that holds a table's real name: ``postgres_table``, ``mongodb_collection``."""
+    return TABLE_METADATA_KEYS.get(source.kind, f"{source.kind}_table")
+
+
+def skipped_table_evaluation(source: SourceConfig, skipped: SkippedTableLike) -> dict[str, Any]:
     """The failing evaluation of ``table_is_captured``: the table, the reason and the fix."""
     return {
         "passed": False,
         "description": skipped.message,
-        "metadata": {"postgres_table": skipped.qualified_name, "reason": skipped.reason, "fix": skipped.fix},
+        "metadata": {table_metadata_key(source): skipped.qualified_name, "reason": skipped.reason, "fix": skipped.fix},
     }
 
 
@@ -286,17 +291,18 @@ def build_stream_asset(source: SourceConfig, table_names: list[str]) -> AssetsDe
         pool=lake_pool(source.name),
         retry_policy=RETRY,
         output_required=False,  # every batch is recorded as it happens (a materialization event), see below
-        kinds={"postgres", "spark", "delta"},
+        kinds={source.kind, "spark", "delta"},
         description=(
-            f"Change stream of source {source.name!r}: one materialization per micro-batch from slot "
-            f"{source.slot!r}; metadata holds the offset (lsn, lsn_commit, lsn_proc, txId, ts_usec). A run keeps "
-            f"its Spark session and runs batches for up to stream.run_seconds={source.stream.run_seconds}."
+            f"Change stream of source {source.name!r} ({source.kind}): one materialization per micro-batch; metadata "
+            "holds the offset with Debezium's field names (PostgreSQL: lsn, lsn_commit, lsn_proc, txId, ts_usec). A "
+            f"run keeps its Spark session and runs batches for up to stream.run_seconds={source.stream.run_seconds}."
         ),
     )
     def stream_batches(context: AssetExecutionContext) -> Iterator[AssetMaterialization]:
         """Batches back to back while the run lasts: each batch's offset is recorded (the event is stored when it is
-        yielded), and only then does the slot follow it. The run ends at ``run_seconds``, or after one batch when
-        ``run_seconds`` is 0, or as soon as another run is waiting for the source's lake-write pool."""
+        yielded), and only then may the source forget what it covers (PostgreSQL: the slot follows it). The run ends
+        at ``run_seconds``, or after one batch when ``run_seconds`` is 0, or as soon as another run is waiting for the
+        source's lake-write pool."""
         cdc = context.resources.cdc
         pipeline = cdc.pipeline(source.name)
         spark = cdc.spark()
@@ -317,9 +323,9 @@ def build_stream_asset(source: SourceConfig, table_names: list[str]) -> AssetsDe
                     },
                 )
             yield AssetMaterialization(asset_key=stream_asset_key(source.name), metadata=batch_metadata(report))
-            # the offset is recorded: the slot may now follow it (never before)
+            # the offset is recorded: the source may now forget what it covers (never before)
             fault_point("stream.after_offset_record")
-            recorded = parse_lsn(report.offset["lsn"])
+            recorded = report.offset
             pipeline.acknowledge(recorded)
             intervals: dict[UpkeepStep, int] = {
                 "compact": source.stream.compact_seconds,
@@ -417,6 +423,7 @@ def batch_metadata(report: StreamReport) -> dict[str, object]:
 
 
 LAG_CHECK_NAME = "lag_within_bound"
+TABLE_METADATA_KEYS = {"postgres": "postgres_table", "mongodb": "mongodb_collection"}
 
 
 def lag_evaluation(source: SourceConfig, lag: SourceLag) -> dict[str, Any]:
@@ -462,7 +469,7 @@ def build_lag_check(source: SourceConfig) -> AssetChecksDefinition:
         required_resource_keys={"cdc"},
         blocking=False,
         description=(
-            f"Fails when the slot of source {source.name!r} lags the server by more than stream.max_lag_alert_bytes="
+            f"Fails when the stream of source {source.name!r} lags the source by more than stream.max_lag_alert_bytes="
             f"{source.stream.max_lag_alert_bytes} or its oldest waiting change is older than "
             f"stream.max_lag_alert_seconds={source.stream.max_lag_alert_seconds}. The streaming sensor evaluates it "
             "on every tick, whether or not stream runs succeed."
@@ -506,9 +513,10 @@ def stream_job_name(source_name: str) -> str:
     return f"{source_name}_stream"
 
 
-def recorded_offset(instance, source_name: str) -> int | None:
+def recorded_offset(instance, source_name: str) -> dict[str, object] | None:
+    """The stream asset's latest materialization's metadata as plain values: the recorded offset (a batch's, or
+    one the ``change_offset`` job recorded). The source's dialect reads its own fields of it."""
     event = instance.get_latest_materialization_event(stream_asset_key(source_name))
     if event is None or event.asset_materialization is None:
         return None
-    value = event.asset_materialization.metadata.get("lsn")
-    return None if value is None else parse_lsn(str(value.value))
+    return {name: value.value for name, value in event.asset_materialization.metadata.items()}

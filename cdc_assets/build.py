@@ -30,9 +30,8 @@ from cdc_assets.assets import (
 )
 from cdc_assets.config import CdcConfig, SourceConfig, load_config
 from cdc_assets.offsets import build_change_offset_job
-from cdc_assets.source import SkippedTableLike
+from cdc_assets.source import SkippedTableLike, SourceError
 from cdc_assets.sources import open_source
-from cdc_assets.sources.postgres.connection import SourceError
 from resources.cdc import CdcResource
 from sensors.consistency import build_chunk_check_job, build_consistency_sweep
 from sensors.planner import build_planner_sensor

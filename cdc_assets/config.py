@@ -65,7 +65,7 @@ class PostgresConnection:
     connect_timeout: int = 10
 
     def kwargs(self) -> dict[str, Any]:
-        """Keyword arguments for ``psycopg.connect`` (holds the password: never log this)."""
+        """Keyword arguments for the PostgreSQL driver's ``connect`` (holds the password: never log this)."""
         params: dict[str, Any] = {
             "host": self.host,
             "port": self.port,

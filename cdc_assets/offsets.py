@@ -1,61 +1,45 @@
-"""The ``change_offset`` job (Debezium's change-offset signal, DDD-4) for a PostgreSQL source.
+"""The ``change_offset`` job (Debezium's change-offset signal, DDD-4), the same for every source kind.
 
-Contract: the job validates the requested offset for the connector (``lsn`` required, PostgreSQL ``X/Y`` form, not
-behind the slot's ``confirmed_flush_lsn``, not ahead of the server's flush LSN), runs in the source's lake-write
-pool (so no batch runs at the same time), and records the new offset as a materialization of the stream asset
-with who and why. The next batch advances the slot to it. Invalid input fails with a message naming the field and
-the allowed range; nothing moves.
+Contract: the job hands the requested fields to the source's dialect, which validates them
+(``cdc_assets.dialect.SourceDialect.validate_offset``; PostgreSQL: ``lsn`` in ``X/Y`` form, not behind the slot's
+``confirmed_flush_lsn``, not ahead of the server's flush LSN) and returns the offset to record; the job runs in the
+source's lake-write pool (so no batch runs at the same time) and records that offset as a materialization of the
+stream asset with who and why. The next batch starts from it. Invalid input fails with a message naming the field
+and the allowed values; nothing moves.
 """
 
 from dagster import AssetMaterialization, Config, JobDefinition, OpExecutionContext, job, op
 
 from cdc_assets.assets import change_offset_job_name, lake_pool, stream_asset_key
-from cdc_assets.engine.lsn import format_lsn, parse_lsn
-from cdc_assets.sources.postgres import stream
-from cdc_assets.sources.postgres.connection import connect
+from cdc_assets.dialect import OffsetError
+
+__all__ = ["ChangeOffsetConfig", "OffsetError", "build_change_offset_job"]
 
 
 class ChangeOffsetConfig(Config):
-    lsn: str
+    """The offset fields a source kind takes (give those of the source's kind only): PostgreSQL ``lsn``;
+    MongoDB ``resume_token`` or ``timestamp``."""
+
+    lsn: str | None = None
+    resume_token: str | None = None
+    timestamp: str | None = None
     changed_by: str
     reason: str
 
 
-class OffsetError(ValueError):
-    """A requested offset that the connector cannot take."""
-
-
-def validate_postgres_offset(requested: str, confirmed_flush: int, server_flush: int) -> int:
-    try:
-        lsn = parse_lsn(requested)
-    except ValueError as error:
-        raise OffsetError(f"lsn: {error}") from None
-    if not confirmed_flush <= lsn <= server_flush:
-        raise OffsetError(
-            f"lsn: {requested} is outside the allowed range [{format_lsn(confirmed_flush)}, {format_lsn(server_flush)}]"
-            " (not behind the slot's confirmed_flush_lsn, not ahead of the server's WAL)"
-        )
-    return lsn
+def requested_fields(config: ChangeOffsetConfig) -> dict[str, str]:
+    fields = {"lsn": config.lsn, "resume_token": config.resume_token, "timestamp": config.timestamp}
+    return {name: value for name, value in fields.items() if value is not None}
 
 
 def build_change_offset_job(source_name: str) -> JobDefinition:
     @op(name=f"{source_name}_record_offset", required_resource_keys={"cdc"}, pool=lake_pool(source_name))
     def change_offset(context: OpExecutionContext, config: ChangeOffsetConfig) -> None:
-        source = context.resources.cdc.config.source(source_name)
-        with connect(source.connection, source.name) as conn:
-            confirmed, _ = stream.slot_position(conn, source.slot)
-            server = stream.current_flush_lsn(conn)
-        lsn = validate_postgres_offset(config.lsn, confirmed, server)
+        offset = context.resources.cdc.pipeline(source_name).validate_offset(requested_fields(config))
         context.log_event(
             AssetMaterialization(
                 asset_key=stream_asset_key(source_name),
-                metadata={
-                    "lsn": format_lsn(lsn),
-                    "slot": source.slot,
-                    "publication": source.publication,
-                    "changed_by": config.changed_by,
-                    "reason": config.reason,
-                },
+                metadata={**offset, "changed_by": config.changed_by, "reason": config.reason},
             )
         )
 

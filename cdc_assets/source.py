@@ -11,12 +11,16 @@ engine (chunks, watermark windows, reconciliation, offsets) and the lake code ar
 - ``plan(table)`` is the table's chunk plan: planned and stored on first use, immutable afterwards.
 - ``snapshot(spark, table, chunk_indexes, run_id)`` reads the chunks inside one watermark window and stages them;
   the stream reconciles them once it has passed the window (DESIGN.md).
-- ``stream_batch(spark, recorded, run_id)`` applies one bounded batch of changes after the recorded position and
-  returns the batch's offset; it never acknowledges anything at the source. The caller records the offset, then
-  calls ``acknowledge`` with it. Positions are ordered integers (PostgreSQL: the LSN).
-- ``acknowledge(position)`` lets the source forget changes up to a recorded position (PostgreSQL: the slot moves
+- ``stream_batch(spark, recorded, run_id)`` applies one bounded batch of changes after the recorded offset (the
+  mapping of field names to values the stream asset's metadata holds; None before the first) and returns the
+  batch's offset; it never acknowledges anything at the source. The caller records the offset, then calls
+  ``acknowledge`` with it. An offset's fields are the source kind's (Debezium's names: PostgreSQL ``lsn``,
+  ``lsn_commit``, ...; MongoDB ``sec``, ``ord``, ``resume_token``); ``position(offset)`` is its ordered integer
+  position (PostgreSQL: the LSN), the order of ``_cdc_position`` and of window high watermarks.
+- ``acknowledge(offset)`` lets the source forget changes up to a recorded offset (PostgreSQL: the slot moves
   forward; a source that keeps no server-side state for us has nothing to do) and returns the position the source
-  now holds.
+  now holds. ``validate_offset(fields)`` checks an offset a user asks for (the ``change_offset`` job) and returns
+  the offset to record, or raises ``cdc_assets.dialect.OffsetError`` naming the field and the allowed values.
 - ``pending_work(lag)`` says why a batch is due now, or None; cheap enough for a sensor that runs every few seconds
   (``lag``: a ``lag()`` the caller just took, so the source is asked once).
 - ``lag()`` is the stream's lag at the source (``SourceLag``), whether or not batches succeed: the streaming
@@ -30,10 +34,11 @@ engine (chunks, watermark windows, reconciliation, offsets) and the lake code ar
   otherwise). Attaching or detaching one changes the table's rows without a change in the log: the planner sensor
   then requests a snapshot of every chunk.
 - ``check_chunks(spark, table, indexes, wait_seconds)`` compares row count and checksum of chunks, computed at the
-  source and over the mirror, at a consistent point (``cdc_assets.sources.postgres.consistency``).
+  source and over the mirror, at a consistent point (PostgreSQL: ``sources/postgres/consistency.py``).
 
-``cdc_assets.sources.open_source(config, source)`` returns the implementation for ``source.kind``. (Not
-``runtime_checkable``: an ``isinstance`` check would read ``tables`` and so connect to the source.)
+``open_source(config, source)`` (the registry, ``sources/__init__.py``) returns the implementation for
+``source.kind``: the generic ``cdc_assets.pipeline.CdcPipeline`` over the kind's dialect (``cdc_assets.dialect``).
+(Not ``runtime_checkable``: an ``isinstance`` check would read ``tables`` and so connect to the source.)
 """
 
 from __future__ import annotations
@@ -74,6 +79,16 @@ class SkippedTableLike(Protocol):
 
 
 TableT = TypeVar("TableT", bound=CapturedTableLike)
+
+
+class SourceError(RuntimeError):
+    """The source cannot be used as configured (refused, unreachable, a table it cannot capture); the message says
+    why and what would fix it, and never holds a credential."""
+
+
+class PermanentBatchError(RuntimeError):
+    """A stream batch that a smaller batch would fail the same way (an incompatible schema change): the stream stops
+    with the bounds unchanged; the message names the table and the fix."""
 
 
 @dataclass
@@ -155,9 +170,15 @@ class CdcSource(Protocol[TableT]):
 
     def snapshot(self, spark: SparkSession, table: TableT, chunk_indexes: list[int], run_id: str) -> SnapshotReport: ...
 
-    def stream_batch(self, spark: SparkSession, recorded: int | None, run_id: str) -> StreamReport: ...
+    def stream_batch(self, spark: SparkSession, recorded: Mapping[str, object] | None, run_id: str) -> StreamReport: ...
 
-    def acknowledge(self, position: int) -> int: ...
+    def acknowledge(self, offset: Mapping[str, object]) -> int: ...
+
+    def position(self, offset: Mapping[str, object]) -> int: ...
+
+    def format_position(self, position: int) -> str: ...
+
+    def validate_offset(self, requested: Mapping[str, str]) -> dict[str, object]: ...
 
     def pending_work(self, lag: SourceLag | None = None) -> str | None: ...
 

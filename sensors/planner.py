@@ -80,7 +80,7 @@ def build_planner_sensor(source_name: str, table_names: list[str]) -> SensorDefi
                     AssetCheckEvaluation(
                         asset_key=table_asset_key(source_name, table.qualified_name),
                         check_name=CAPTURED_CHECK_NAME,
-                        **skipped_table_evaluation(table),
+                        **skipped_table_evaluation(source, table),
                     )
                 )
         seen[SKIPPED_KEY] = {t.qualified_name: t.message for t in skipped}

@@ -1,4 +1,5 @@
-"""``cdc_assets.source``: the PostgreSQL pipeline is a ``CdcSource``; a kind without an implementation is named."""
+"""``cdc_assets.source``: the PostgreSQL pipeline is a ``CdcSource`` (the generic pipeline over PostgreSQL's
+dialect); a kind without an implementation is named."""
 
 import dataclasses
 from functools import cached_property
@@ -7,8 +8,11 @@ from pathlib import Path
 import pytest
 
 from cdc_assets.config import parse_config
+from cdc_assets.dialect import SourceDialect
+from cdc_assets.pipeline import CdcPipeline
 from cdc_assets.source import CdcSource
 from cdc_assets.sources import UnsupportedSourceError, open_source
+from cdc_assets.sources.postgres.dialect import PostgresDialect
 from cdc_assets.sources.postgres.pipeline import PostgresPipeline
 
 RAW = {
@@ -27,7 +31,8 @@ RAW = {
 def test_postgres_source_opens_as_a_cdc_source(tmp_path: Path) -> None:
     config = parse_config(RAW, tmp_path, {"PGPW": "s3cret"})
     source = open_source(config, config.source("shop"))  # connects to nothing until an operation runs
-    assert isinstance(source, PostgresPipeline)
+    assert isinstance(source, PostgresPipeline) and isinstance(source, CdcPipeline)
+    assert isinstance(source.dialect, PostgresDialect)
     assert source.source.name == "shop"
     assert source.lake.root == tmp_path / "lake" / "shop"
 
@@ -39,7 +44,20 @@ def test_every_interface_operation_is_implemented_by_postgres() -> None:
     )
     for name in operations:
         assert callable(getattr(PostgresPipeline, name)), name
-    assert isinstance(vars(PostgresPipeline)["tables"], cached_property)  # resolved once, by prepare()
+    assert isinstance(vars(CdcPipeline)["tables"], cached_property)  # resolved once, by prepare()
+    # the PostgreSQL class adds nothing to the algorithm: only its constructor and a connection for inspection
+    assert set(vars(PostgresPipeline)) - {"__module__", "__doc__", "__annotations__", "__parameters__",
+                                          "__orig_bases__", "__firstlineno__", "__static_attributes__"} == {
+        "__init__", "connect"}  # fmt: skip
+
+
+def test_every_dialect_operation_is_implemented_by_postgres() -> None:
+    operations = [n for n in vars(SourceDialect) if not n.startswith("_") and callable(vars(SourceDialect)[n])]
+    assert {"discover", "window", "read_batch", "acknowledge", "position", "validate_offset", "pending"} <= set(
+        operations
+    )
+    for name in operations:
+        assert callable(getattr(PostgresDialect, name)), name
 
 
 def test_a_kind_without_implementation_is_refused_by_name(tmp_path: Path) -> None:

@@ -197,13 +197,14 @@ def worker_main(role: str, kind: str, result_fd: int, broken: bool, patched: boo
             elif task["op"] == "stream":
                 batch = pipeline.stream_batch(spark, task["recorded"], task["run"])
                 position = torture.offset_position(batch.offset)
-                _emit(channel, {"ok": True, "offset": position, "changes": batch.changes, "lag": batch.lag_bytes,
+                _emit(channel, {"ok": True, "offset": batch.offset, "position": position, "changes": batch.changes,
+                                "lag": batch.lag_bytes,
                                 "waiting": batch.waiting_windows, "reconciled": len(batch.reconciled),
                                 "phases": batch.phase_seconds})  # fmt: skip
                 if json.loads(sys.stdin.readline() or "{}").get("op") != "ack":
                     return 0
                 traced("stream.after_offset_record")  # offset recorded by the harness; now the slot may follow
-                pipeline.acknowledge(position)
+                pipeline.acknowledge(batch.offset)
                 if task.get("upkeep"):  # between batches, as the Dagster stream run does
                     maintenance_module.maintain_lake(spark, pipeline.lake, tables, 64 * 1024 * 1024, task["upkeep"])
                 _emit(channel, {"ok": True, "advanced": position})
@@ -474,7 +475,7 @@ class SeedRun:
         self.catch_up = threading.Event()
         self.caught_up = threading.Event()
         self.failure: str | None = None
-        self.recorded: int | None = None
+        self.recorded: dict[str, Any] | None = None
         self.batches = 0
         self.ctx = WorkloadContext(Tally())
 
@@ -538,7 +539,7 @@ class SeedRun:
                 started_catch_up = time.monotonic()
 
             def record(result: dict[str, Any]) -> None:
-                self.recorded = int(result["offset"])  # "materialization metadata": then the slot may follow
+                self.recorded = dict(result["offset"])  # "materialization metadata": then the slot may follow
 
             result = self.run_task(
                 worker,

@@ -61,7 +61,7 @@ from cdc_assets.config import (
     StreamConfig,
     TableConfig,
 )
-from cdc_assets.engine.lsn import format_lsn, parse_lsn
+from cdc_assets.sources.postgres.lsn import format_lsn, parse_lsn
 from tools.torture_source import (
     WORKER_MASTER,
     Tally,

@@ -1,6 +1,6 @@
 """The bounds of the next stream batch: the configured ones, shrunk after a failed batch, grown back after successes.
 
-Contract (pure: no Spark, no database; ``cdc_assets.sources.postgres.pipeline`` stores the state as JSON in the lake):
+Contract (pure: no Spark, no database; ``cdc_assets.pipeline`` stores the state as JSON in the lake):
 - ``BatchBounds`` holds the bounds the next batch reads with (``max_changes``: rows of the slot, ``max_bytes``:
   bytes of change messages; both stop only at a transaction boundary, so a bound of 1 reads one transaction),
   the number of failed batches since the last success (``failures``) and why the last one failed (``reason``).

@@ -40,7 +40,7 @@ Contract:
   rows inside the chunk's key range that the read did not see and that no unsettled transaction touched (repairs
   drift). Changes after the high watermark are unsettled too, so reconciling later than necessary stays exact.
   "Settled" is the source's ``SettledRule`` (``cdc_assets.lake.settled``; PostgreSQL: by transaction id against
-  the window's ``pg_current_snapshot()``, never by WAL position, ``cdc_assets.sources.postgres.watermark``); the
+  the window's ``pg_current_snapshot()``, never by WAL position, ``sources/postgres/watermark.py``); the
   reconciliation itself is the same for every source kind.
   A dropped key whose mirror row has ``_cdc_unknown`` columns (its unchanged TOAST values reached the stream before
   the mirror had the row) takes those columns from the staged row when no insert, delete or key change touched the
@@ -79,7 +79,6 @@ from pyspark.sql.window import Window
 
 from cdc_assets.engine.chunks import Chunk, chunk_partition_key
 from cdc_assets.engine.key_chains import chain_roots
-from cdc_assets.engine.lsn import parse_lsn
 from cdc_assets.engine.windows import FILL_CHUNK, ChunkWindow
 from cdc_assets.lake import staging
 from cdc_assets.lake.column_mapping import MODE as MAPPING_MODE
@@ -156,9 +155,11 @@ MAINTENANCE_OPERATIONS = ("OPTIMIZE", "VACUUM START", "VACUUM END")
 SCHEMA_OPERATIONS = ("CREATE TABLE", "SET TBLPROPERTIES")
 
 
-def last_applied_lsn(spark: SparkSession, path: str) -> int | None:
-    """The offset ``lsn`` in the ``userMetadata`` of the latest stream commit (every stream commit carries its
-    batch's offset; maintenance commits, ``cdc_assets.lake.maintenance``, carry none and are skipped)."""
+def last_applied_position(spark: SparkSession, path: str) -> int | None:
+    """The batch position (``position``) in the ``userMetadata`` of the latest stream commit (every stream commit
+    carries its batch's offset and position; maintenance commits, ``cdc_assets.lake.maintenance``, carry none and
+    are skipped). A commit written before positions were recorded holds only PostgreSQL's ``lsn`` text (``X/Y``):
+    that is read as the position it is."""
     if not DeltaTable.isDeltaTable(spark, path):
         return None
     table = DeltaTable.forPath(spark, path)
@@ -175,19 +176,23 @@ def last_applied_lsn(spark: SparkSession, path: str) -> int | None:
     if row is None or not row[0]:
         return None
     try:
-        return parse_lsn(json.loads(row[0])["lsn"])
-    except (ValueError, KeyError, TypeError):
+        metadata = json.loads(row[0])
+        if "position" in metadata:
+            return int(metadata["position"])
+        high, low = str(metadata["lsn"]).split("/")
+        return (int(high, 16) << 32) | int(low, 16)
+    except (ValueError, KeyError, TypeError, AttributeError):
         return None
 
 
-def append_changelog(spark: SparkSession, path: str, changes: DataFrame, batch_lsn: int | None = None) -> None:
-    """Append ``changes`` not yet in the changelog: those after the offset of the changelog's last commit. A batch
-    whose offset ``batch_lsn`` is at or below that offset (a batch re-read smaller after a failure) skips the write:
-    every change of it is there already. (Defensive: a commit with its lower offset would make its successor append
-    the changes in between twice; the test of a smaller re-read passes without this check too, so Delta's append of
-    no rows records no such commit here.)"""
-    already = last_applied_lsn(spark, path)
-    if already is not None and batch_lsn is not None and batch_lsn <= already:
+def append_changelog(spark: SparkSession, path: str, changes: DataFrame, batch_position: int | None = None) -> None:
+    """Append ``changes`` not yet in the changelog: those after the position of the changelog's last commit. A
+    batch whose position ``batch_position`` is at or below that one (a batch re-read smaller after a failure) skips
+    the write: every change of it is there already. (Defensive: a commit with its lower position would make its
+    successor append the changes in between twice; the test of a smaller re-read passes without this check too, so
+    Delta's append of no rows records no such commit here.)"""
+    already = last_applied_position(spark, path)
+    if already is not None and batch_position is not None and batch_position <= already:
         return
     if already is not None:
         changes = changes.where(F.col("_cdc_position") > already)

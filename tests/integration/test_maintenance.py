@@ -11,11 +11,10 @@ from pathlib import Path
 import pytest
 from pyspark.sql import functions as F
 
-from cdc_assets.engine.lsn import parse_lsn
 from cdc_assets.engine.windows import finished_attempts, unrecorded_attempts
 from cdc_assets.lake import windows as window_log
 from cdc_assets.lake.maintenance import UNRECORDED_GRACE, maintain_lake
-from cdc_assets.lake.mirror import StagedRowsMismatch, last_applied_lsn
+from cdc_assets.lake.mirror import StagedRowsMismatch, last_applied_position
 from cdc_assets.lake.staging import drop_attempts, staged_attempt_times, staged_row_counts
 from cdc_assets.sources.postgres.pipeline import PostgresPipeline
 from tests.integration.support import mirror_rows, pipeline_config, seeded_source, source_rows
@@ -64,14 +63,14 @@ def test_upkeep_drops_finished_snapshots_compacts_and_the_stream_stays_exact(sou
         admin.execute("insert into pairs (region, code, amount) values (50, %s, 1)", [f"r{round_}"])
         admin.execute("update docs set title = %s where title like %s", [f"r{round_}", f"t{round_ + 1}%"])
         report = pipeline.stream_batch(spark, recorded, "small")
-        recorded = parse_lsn(str(report.offset["lsn"]))
+        recorded = report.offset
         pipeline.acknowledge(recorded)
     # a re-read of chunk 0 that the stream has not reconciled yet: its staged rows must stay
     waiting = pipeline.snapshot(spark, items, [0], "t2").attempt
     paths = {name: pipeline.lake.table(name) for name in tables}
     assert staged_attempts(paths["public.items"].staging) == {first["public.items"], waiting}
     before = {name: (file_count(spark, p.mirror), file_count(spark, p.changelog)) for name, p in paths.items()}
-    offsets = {name: last_applied_lsn(spark, p.changelog) for name, p in paths.items()}
+    offsets = {name: last_applied_position(spark, p.changelog) for name, p in paths.items()}
 
     # a run that died between its staged files and its window record left an attempt no window names
     items_staging = paths["public.items"].staging
@@ -98,7 +97,7 @@ def test_upkeep_drops_finished_snapshots_compacts_and_the_stream_stays_exact(sou
         assert file_count(spark, p.changelog) < changelog_files, (name, changelog_files)
         assert results[name].files_compacted > results[name].files_written > 0, results[name]
         # the changelog's offset (which makes a retried batch append nothing twice) survives the upkeep commits
-        assert last_applied_lsn(spark, p.changelog) == offsets[name] is not None, name
+        assert last_applied_position(spark, p.changelog) == offsets[name] is not None, name
     assert_mirrors_match(spark, pipeline)
 
     # the stream carries on from the compacted tables and closes the waiting window

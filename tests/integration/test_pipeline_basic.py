@@ -7,7 +7,6 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from cdc_assets.engine.lsn import parse_lsn
 from cdc_assets.sources.postgres.pipeline import PostgresPipeline
 from tests.integration.support import mirror_rows, pipeline_config, seeded_source, source_rows
 
@@ -26,7 +25,7 @@ def run_until_reconciled(pipeline: PostgresPipeline, spark, rounds: int = 10) ->
     for _ in range(rounds):
         report = pipeline.stream_batch(spark, recorded, "test")
         reports.append(report)
-        recorded = parse_lsn(str(report.offset["lsn"]))
+        recorded = report.offset
         pipeline.acknowledge(recorded)
         if report.waiting_windows == 0 and report.changes == 0:
             break
@@ -92,12 +91,12 @@ def test_schema_changes_reach_the_mirror_whatever_description_the_stream_run_has
     run_until_reconciled(before, spark)  # no change carried tag yet
     admin.execute("update pairs set amount = -amount where region = 1")
     admin.execute("insert into pairs (region, code, amount) values (77, 'after-drop', 7)")
-    recorded = parse_lsn(str(run_until_reconciled(before, spark)[-1].offset["lsn"]))
+    recorded = run_until_reconciled(before, spark)[-1].offset
 
     admin.execute("update pairs set amount = -amount where region = 2")
     report = after.stream_batch(spark, recorded, "after-drop")
     assert report.changes > 0
-    after.acknowledge(parse_lsn(str(report.offset["lsn"])))
+    after.acknowledge(report.offset)
 
     mirror = spark.read.format("delta").load(after.lake.table("public.pairs").mirror)
     assert "label" in mirror.columns and "tag" in mirror.columns

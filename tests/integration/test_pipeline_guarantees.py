@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import subprocess
@@ -27,7 +28,8 @@ import pytest
 from pyspark.sql import functions as F
 
 from cdc_assets.config import CdcConfig
-from cdc_assets.engine.lsn import parse_lsn
+from cdc_assets.dialect import Offset
+from cdc_assets.source import StreamReport
 from cdc_assets.sources.postgres.pipeline import PostgresPipeline
 from cdc_assets.sources.postgres.stream import current_flush_lsn, slot_position
 from tests.integration.support import (
@@ -48,14 +50,14 @@ def source(postgres_server: dict[str, str], tmp_path: Path):
         yield admin, admin_dsn, pipeline_config(DATABASE, tmp_path / "lake", chunk_size=400, max_changes=20000)
 
 
-def stream_once(pipeline: PostgresPipeline, spark, recorded: int | None) -> tuple[int, object]:
+def stream_once(pipeline: PostgresPipeline, spark, recorded: Offset | None) -> tuple[Offset, StreamReport]:
     report = pipeline.stream_batch(spark, recorded, "test")
-    lsn = parse_lsn(str(report.offset["lsn"]))  # "recorded", then the slot follows
-    pipeline.acknowledge(lsn)
-    return lsn, report
+    offset = report.offset  # "recorded", then the slot follows
+    pipeline.acknowledge(offset)
+    return offset, report
 
 
-def catch_up(pipeline: PostgresPipeline, spark, recorded: int | None, rounds: int = 20) -> int | None:
+def catch_up(pipeline: PostgresPipeline, spark, recorded: Offset | None, rounds: int = 20) -> Offset | None:
     """Stream until everything committed so far is applied and no chunk window is open.
 
     (The server's WAL is shared with other databases, so "lag 0" is not a criterion: the target is the flush
@@ -64,7 +66,7 @@ def catch_up(pipeline: PostgresPipeline, spark, recorded: int | None, rounds: in
         target = current_flush_lsn(conn)
     for _ in range(rounds):
         recorded, report = stream_once(pipeline, spark, recorded)
-        if recorded >= target and report.waiting_windows == 0 and report.changes == 0:
+        if pipeline.position(recorded) >= target and report.waiting_windows == 0 and report.changes == 0:
             return recorded
         time.sleep(0.3)
     raise AssertionError(f"stream did not catch up in {rounds} batches: last {report}")
@@ -276,6 +278,7 @@ def test_commit_held_at_the_low_watermark_is_not_overwritten_by_the_read(source,
 
 
 CRASH_SCRIPT = """
+import json
 import sys
 from pathlib import Path
 from cdc_assets.config import SparkConfig
@@ -291,15 +294,15 @@ if step == "snapshot":
     table = pipeline.prepare()["public.items"]
     pipeline.snapshot(spark, table, [0, 1, 2], "doomed")
 else:
-    pipeline.stream_batch(spark, None if recorded == "none" else int(recorded), "doomed")
+    pipeline.stream_batch(spark, json.loads(recorded), "doomed")
 print("survived")
 """
 
 
-def run_killed(lake: Path, step: str, fault: str, recorded: int | None) -> None:
+def run_killed(lake: Path, step: str, fault: str, recorded: Offset | None) -> None:
     env = {**os.environ, "CDC_FAULTS": fault, "PYTHONPATH": str(ROOT)}
     result = subprocess.run(
-        [sys.executable, "-c", CRASH_SCRIPT, str(lake), step, "none" if recorded is None else str(recorded)],
+        [sys.executable, "-c", CRASH_SCRIPT, str(lake), step, json.dumps(recorded)],
         env=env, capture_output=True, text=True, timeout=600, cwd=ROOT,
     )  # fmt: skip
     assert result.returncode == -9, f"expected SIGKILL at {fault}: rc={result.returncode}\n{result.stderr[-3000:]}"
@@ -370,6 +373,6 @@ def test_one_huge_transaction_streams_with_bounded_driver_memory(source, spark) 
     growth_mb = (peak - baseline) / 2**20
     raw_mb = 200_000 * 260 / 2**20
     assert growth_mb < 2 * raw_mb, f"driver grew {growth_mb:.0f} MB for {raw_mb:.0f} MB of change text"
-    pipeline.acknowledge(parse_lsn(str(report.offset["lsn"])))
+    pipeline.acknowledge(report.offset)
     mirror = spark.read.format("delta").load(pipeline.lake.table("public.items").mirror)
     assert mirror.where("id >= 1000000").count() == 200_000

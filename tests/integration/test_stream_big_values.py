@@ -26,8 +26,8 @@ from psycopg import sql
 from pyspark.sql import functions as F
 
 from cdc_assets.config import CdcConfig, StreamConfig
+from cdc_assets.dialect import Offset
 from cdc_assets.engine.batch_bounds import recover_in_flight, with_in_flight
-from cdc_assets.engine.lsn import parse_lsn
 from cdc_assets.lake.spark import default_driver_memory, memory_megabytes
 from cdc_assets.sources.postgres.pipeline import PostgresPipeline, StreamBatchError
 from cdc_assets.sources.postgres.stream import current_flush_lsn
@@ -148,16 +148,18 @@ def assert_driver_memory_bounded(rss: dict[str, float]) -> None:
     assert rss["jvm_mb"] < JVM_BOUND_MB, f"the driver's JVM peaked at {rss['jvm_mb']:.0f} MB (bound {JVM_BOUND_MB})"
 
 
-def catch_up(pipeline: PostgresPipeline, spark, recorded: int | None, rounds: int = 30) -> tuple[int | None, list]:
+def catch_up(
+    pipeline: PostgresPipeline, spark, recorded: Offset | None, rounds: int = 30
+) -> tuple[Offset | None, list]:
     with pipeline.connect() as conn:
         target = current_flush_lsn(conn)
     reports = []
     for _ in range(rounds):
         report = pipeline.stream_batch(spark, recorded, "big")
-        recorded = parse_lsn(str(report.offset["lsn"]))
+        recorded = report.offset
         pipeline.acknowledge(recorded)
         reports.append(report)
-        if recorded >= target and report.waiting_windows == 0 and report.changes == 0:
+        if pipeline.position(recorded) >= target and report.waiting_windows == 0 and report.changes == 0:
             return recorded, reports
     raise AssertionError(f"stream did not catch up in {rounds} batches: last {reports[-1]}")
 
@@ -244,7 +246,7 @@ def test_a_failing_batch_is_retried_smaller_and_the_stream_goes_on(source, spark
         except StreamBatchError as error:
             failures.append(str(error))
             continue
-        recorded = parse_lsn(str(report.offset["lsn"]))
+        recorded = report.offset
         pipeline.acknowledge(recorded)
         sizes.append(report.changes)
         if report.bounds["shrunk"]:
@@ -289,7 +291,7 @@ def test_a_batch_re_read_smaller_after_two_kills_appends_no_change_twice(source,
     pipeline.store_bounds(with_in_flight(recover_in_flight(first_death), again.changes, again.bytes))
     smaller = pipeline.stream_batch(spark, None, "rerun")  # re-reads from the same slot position, half as much
     assert smaller.bounds["shrunk"] and 0 < smaller.changes <= 50
-    recorded = parse_lsn(str(smaller.offset["lsn"]))
+    recorded = smaller.offset
     pipeline.acknowledge(recorded)
     catch_up(pipeline, spark, recorded)
     changelog = spark.read.format("delta").load(pipeline.lake.table("public.blobs").changelog)

@@ -20,7 +20,7 @@ import pytest
 from psycopg import sql
 from pyspark.sql import functions as F
 
-import cdc_assets.sources.postgres.pipeline as pipeline_module
+import cdc_assets.pipeline as pipeline_module
 from cdc_assets.sources.postgres import stream as stream_module
 from cdc_assets.sources.postgres.pipeline import PostgresPipeline
 from tests.integration.support import (

@@ -10,11 +10,10 @@ from __future__ import annotations
 import psycopg
 
 from cdc_assets.config import PostgresConnection
+from cdc_assets.source import SourceError
 from cdc_assets.sources.postgres.pg_values import apply_session_settings
 
-
-class SourceError(RuntimeError):
-    """The source cannot be used as configured; the message says why and what would fix it."""
+__all__ = ["SourceError", "connect"]
 
 
 def connect(config: PostgresConnection, source_name: str, autocommit: bool = True) -> psycopg.Connection:

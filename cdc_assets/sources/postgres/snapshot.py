@@ -23,8 +23,8 @@ from cdc_assets.engine.chunks import (
     chunks_from_boundaries,
     plan_even_integer_chunks,
 )
-from cdc_assets.engine.lsn import parse_lsn
 from cdc_assets.sources.postgres.catalog import CapturedTable
+from cdc_assets.sources.postgres.lsn import parse_lsn
 from cdc_assets.sources.postgres.watermark import LowWatermark
 
 INTEGER_TYPES = {"smallint", "integer", "bigint"}

@@ -44,9 +44,10 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from cdc_assets.engine.lsn import format_lsn, parse_lsn
 from cdc_assets.engine.names import lake_folder, qualify
+from cdc_assets.source import PermanentBatchError
 from cdc_assets.sources.postgres.catalog import CapturedTable
+from cdc_assets.sources.postgres.lsn import format_lsn, parse_lsn
 from cdc_assets.sources.postgres.pg_values import PgColumn, columns_from_catalog, decode_text_table
 from cdc_assets.sources.postgres.pgoutput import Begin, Commit, PgOutputDecoder, Relation, Truncate
 from cdc_assets.sources.postgres.row_images import decode_row_images
@@ -57,7 +58,7 @@ ROW_CHANGE_TYPES = frozenset(b"IUD")  # Insert, Update, Delete
 META_COLUMNS = ("_cdc_op", "_cdc_commit_lsn", "_cdc_seq", "_cdc_before_key_only", "_cdc_unchanged")
 
 
-class SchemaChangeError(RuntimeError):
+class SchemaChangeError(PermanentBatchError):
     """An incompatible change of a captured table's schema; the stream stops."""
 
 

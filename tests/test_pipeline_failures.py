@@ -6,7 +6,7 @@ from py4j.protocol import Py4JNetworkError
 
 from cdc_assets.engine.batch_bounds import BatchBounds, after_failure
 from cdc_assets.lake.spark import big_batch_conf
-from cdc_assets.sources.postgres.pipeline import _BatchProgress, describe_failure, failure_cause
+from cdc_assets.pipeline import BatchProgress, describe_failure, failure_cause
 
 BOUNDS = BatchBounds(max_changes=500_000, max_bytes=256 << 20)
 
@@ -34,14 +34,14 @@ def test_heap_exhaustion_anywhere_in_the_chain_is_named() -> None:
 
 
 def test_the_message_names_phase_table_sizes_and_settings() -> None:
-    progress = _BatchProgress(phase="merge", table="public.blobs", changes=1200, bytes=300 << 20, transactions=7)
+    progress = BatchProgress(phase="merge", table="public.blobs", changes=1200, bytes=300 << 20, transactions=7)
     shrunk = after_failure(BOUNDS, progress.changes, progress.bytes, "heap")
     message = describe_failure("demo", progress, BOUNDS, shrunk, "the JVM ran out of heap", "6144m")
     assert message.startswith("stream batch of source 'demo' failed in phase merge of table public.blobs: ")
     assert "1200 changes in 7 transactions, 300.0 MB" in message
     assert "at most 600 changes, 128.0 MB" in message
     assert "spark.driver.memory (now 6144m)" in message and "stream.max_batch_bytes" in message
-    single = _BatchProgress(phase="changelog", table="public.blobs", changes=200, bytes=2 << 30, transactions=1)
+    single = BatchProgress(phase="changelog", table="public.blobs", changes=200, bytes=2 << 30, transactions=1)
     message = describe_failure("demo", single, BOUNDS, shrunk, "heap", "1024m")
     assert "single transaction and cannot be split: raise spark.driver.memory (now 1024m)" in message
 

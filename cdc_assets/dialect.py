@@ -1,0 +1,149 @@
+"""What one database kind supplies to the generic pipeline (``cdc_assets.pipeline``): a narrow dialect.
+
+Contract: a ``SourceDialect`` answers only what differs between databases (Flink CDC's ``DataSourceDialect``); the
+window sequence, staging, the window log, reconciliation, changelog and mirror writes, batch bounds, failure
+messages, waiting markers and pending work are written once in ``cdc_assets.pipeline``. A dialect never writes to
+its source (PostgreSQL's slot and publication are created by ``discover`` only where allowed, and the slot moves
+only in ``acknowledge``).
+
+- ``discover()``: the captured tables (``CapturedTableLike``) and the selected ones that cannot be captured, each
+  with reason and fix. The change-capture resources exist when it returns (no change is missed after it).
+- ``plan_chunks(table)``: the table's chunk plan (the pipeline stores it once and never re-plans).
+- ``window()``: a context manager giving a ``WindowSession``: one session of the source whose two watermarks order
+  its reads (``cdc_assets.lake.watermark_window``); ``stage_chunks`` reads chunks (in Spark tasks where it can) into
+  staged files of an attempt (``cdc_assets.lake.staging``, rows typed by the table's Arrow schema ending with
+  ``_cdc_unrepresentable``) and returns the rows per chunk; ``stage_rows_by_key`` reads the rows of some keys (a fill
+  window) into one staged file of chunk ``FILL_CHUNK``.
+- ``read_batch(recorded, spill_dir, max_changes, max_bytes)``: one bounded batch of changes after the recorded
+  offset (``None``: from where the source holds changes for us), spilled under ``spill_dir`` (``ChangeBatch``). It
+  stops at a transaction boundary; a single transaction larger than a bound is read whole. It may first make the
+  source forget what the recorded offset covers (it was recorded, so it is applied), never more.
+- ``position(offset)``: the ordered integer position of a recorded offset (``_cdc_position`` of the changes it
+  covers); ``format_position(position)``: its text for people (PostgreSQL: ``X/Y``).
+- ``acknowledge(offset)`` lets the source forget changes up to a recorded offset and returns the position the
+  source now holds; ``validate_offset(fields)`` checks a requested offset (the ``change_offset`` job) and returns
+  the offset to record, or raises ``OffsetError`` naming the field and the allowed values.
+- ``pending(lag)``: why the source itself wants a batch (changes wait, or the source keeps too much for us), or None,
+  and the source's current position (a window or check marker at or below it can close); ``lag()``: ``SourceLag``.
+- ``settled_rule``: what "settled at the low watermark" means over the changelog (``cdc_assets.lake.settled``).
+- ``spark_fields(table, added)``: the Spark fields of the table's columns, with columns a batch found added.
+- ``column_names``, ``partitions``, ``filled_without_changes``, ``check_chunks``: as in ``cdc_assets.source``.
+- ``is_permanent(error)``: an error a smaller batch would repeat (the pipeline keeps the bounds and re-raises it).
+- ``describe()``: a few words for messages (e.g. "replication slot 'cdc_demo'").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
+
+from cdc_assets.engine.chunks import Chunk, ChunkPlan
+from cdc_assets.lake.settled import SettledRule
+from cdc_assets.source import ChunkCheck, SkippedTableLike, SourceLag, TableT
+
+if TYPE_CHECKING:
+    from pyspark.sql import DataFrame, SparkSession
+    from pyspark.sql import types as T
+
+    from cdc_assets.lake.layout import SourceLake
+
+Offset = Mapping[str, object]
+
+
+class OffsetError(ValueError):
+    """A requested offset that the source cannot take; the message names the field and the allowed values."""
+
+
+@dataclass
+class TableChanges:
+    """One table's changes of a batch. ``frame(spark)`` reads them as changelog rows: ``_cdc_op`` (``c``, ``u``,
+    ``d``, ``t`` for a truncate), ``_cdc_position`` (the transaction's position), ``_cdc_seq`` (order inside it),
+    ``_cdc_ts``, ``_cdc_before_key_only``, ``_cdc_unchanged`` (names of columns whose value the change did not carry),
+    ``after`` and ``before`` (structs of the table's Spark fields and ``_cdc_unrepresentable``) and the columns of the
+    source's ``SettledRule``. ``truncate``: the batch's last truncate of the table as (position, seq)."""
+
+    changes: int
+    bytes: int
+    parts: int
+    frame: Callable[[SparkSession], DataFrame]
+    unchanged_columns: set[str] = field(default_factory=set)
+    added_columns: Sequence[object] = ()
+    truncate: tuple[int, int] | None = None
+    truncates: int = 0
+
+
+@dataclass
+class ChangeBatch:
+    """One bounded batch: every change at or before ``applied`` (a position) that the source holds for us is in this
+    batch or an earlier one. ``offset``: what to record (field names of Debezium's offsets). ``cut``: a bound cut the
+    batch (more was waiting). ``lag_bytes``: how much the source holds after it."""
+
+    applied: int
+    offset: dict[str, object]
+    tables: dict[str, TableChanges]
+    changes: int
+    transactions: int
+    bytes: int
+    cut: bool
+    last_commit_ts: datetime | None
+    lag_bytes: int
+
+
+class WindowSession(Protocol[TableT]):
+    """One source session of a watermark window."""
+
+    def low_watermark(self) -> tuple[int, str]: ...
+
+    def high_watermark(self) -> int: ...
+
+    def stage_chunks(
+        self, spark: SparkSession, table: TableT, chunks: Sequence[Chunk], staging_path: str, attempt: str
+    ) -> dict[int, int]: ...
+
+    def stage_rows_by_key(self, table: TableT, keys: Sequence[tuple], staging_path: str, attempt: str) -> int: ...
+
+
+class SourceDialect(Protocol[TableT]):
+    settled_rule: SettledRule
+
+    def describe(self) -> str: ...
+
+    def discover(self) -> tuple[Sequence[TableT], Sequence[SkippedTableLike]]: ...
+
+    def plan_chunks(self, table: TableT) -> ChunkPlan: ...
+
+    def window(self) -> AbstractContextManager[WindowSession[TableT]]: ...
+
+    def read_batch(
+        self, recorded: Offset | None, tables: Mapping[str, TableT], spill_dir: Path, max_changes: int, max_bytes: int
+    ) -> ChangeBatch: ...
+
+    def position(self, offset: Offset) -> int: ...
+
+    def format_position(self, position: int) -> str: ...
+
+    def acknowledge(self, offset: Offset) -> int: ...
+
+    def validate_offset(self, requested: Mapping[str, str]) -> dict[str, object]: ...
+
+    def pending(self, lag: SourceLag | None) -> tuple[str | None, int]: ...
+
+    def lag(self) -> SourceLag: ...
+
+    def spark_fields(self, table: TableT, added: Sequence[object] = ()) -> list[T.StructField]: ...
+
+    def column_names(self, table: TableT) -> list[str]: ...
+
+    def partitions(self, table: TableT) -> list[str]: ...
+
+    def filled_without_changes(self, table: TableT, names: Sequence[str]) -> list[str]: ...
+
+    def check_chunks(
+        self, spark: SparkSession, lake: SourceLake, table: TableT, chunks: Sequence[Chunk], wait_seconds: float
+    ) -> list[ChunkCheck]: ...
+
+    def is_permanent(self, error: BaseException) -> bool: ...

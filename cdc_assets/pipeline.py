@@ -1,0 +1,499 @@
+"""``CdcPipeline``: the ``CdcSource`` (``cdc_assets.source``) of any source kind, written once over a dialect.
+
+Contract (Dagster calls these from assets and sensors; tests call them directly). The source kind answers only what
+differs (``cdc_assets.dialect.SourceDialect``); everything below is the same for every kind.
+- ``prepare()`` asks the dialect to discover the captured tables (the change-capture resources exist afterwards, so
+  no change is ever missed). ``tables`` is its result, resolved once per object.
+- ``plan(table)`` returns the stored chunk plan, planning and storing it on first use (immutable afterwards); a
+  stored plan over other key columns than the table's now raises ``SourceError`` naming both and the fix.
+- ``snapshot(spark, table, chunk_indexes, run_id)`` runs one watermark window around reading the chunks
+  (``cdc_assets.lake.watermark_window.run_window``: low watermark, the dialect's staged reads, high watermark, fault
+  point, window log record, waiting markers). A run killed before the record leaves rows no one reads.
+- ``stream_batch(spark, recorded, run_id)`` reads one bounded batch after the recorded offset (the dialect spills
+  it to disk), appends changelogs, applies mirrors, and reconciles every staged window whose high watermark the
+  batch has passed, then opens fill windows for mirror rows with unknown values. It never makes the source forget
+  anything past the recorded offset: the caller records the returned offset first, then calls ``acknowledge``. A
+  batch re-run from the same recorded offset writes nothing twice (``cdc_assets.lake.mirror``). The offset and the
+  batch's position are written into each Delta commit's ``userMetadata``.
+  Its bounds (``stream.max_changes``, ``stream.max_batch_bytes``) are halved after failed batches, down to one
+  transaction, and grown back after successes (``cdc_assets.engine.batch_bounds``; ``_cdc/stream_bounds.json``,
+  which also marks a batch in flight, so a process killed during one counts as a failure). A failure raises
+  ``StreamBatchError`` naming the phase, table, changes and bytes, the cause (heap exhaustion, a dead JVM) and the
+  settings to change; a ``SourceError`` (the source refused or is unreachable) and an error the dialect calls
+  permanent (a smaller batch fails the same way) or ``StagedRowsMismatch`` keep the bounds and are raised as they
+  are. A table's part of a batch larger than one spill part runs without automatic broadcast joins, with input
+  partitions of ``spill_bytes`` and its rows persisted on disk (``big_batch_conf``).
+- ``pending_work()`` says whether a batch is due (the streaming sensor and a long-lived stream run poll it); reads
+  no Delta table. ``lag()`` is the dialect's.
+- ``acknowledge(offset)`` is the dialect's; call it only after the offset is recorded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from functools import cached_property
+from pathlib import Path
+from typing import Generic
+
+from pyspark import StorageLevel
+from pyspark.sql import SparkSession
+from pyspark.sql import functions as F
+
+from cdc_assets.config import CdcConfig, SourceConfig
+from cdc_assets.dialect import Offset, SourceDialect
+from cdc_assets.engine.batch_bounds import BatchBounds, after_failure, after_success, recover_in_flight, with_in_flight
+from cdc_assets.engine.chunks import Chunk, ChunkPlan
+from cdc_assets.engine.faults import fault_point, size_fault
+from cdc_assets.engine.windows import FILL_CHUNK, RECONCILED, ChunkWindow, closable, open_windows
+from cdc_assets.lake import staging
+from cdc_assets.lake import windows as window_log
+from cdc_assets.lake.layout import SourceLake
+from cdc_assets.lake.mirror import StagedRowsMismatch, append_changelog, apply_changes, reconcile
+from cdc_assets.lake.spark import DRIVER_MEMORY, big_batch_conf, default_driver_memory, session_conf
+from cdc_assets.lake.watermark_window import run_window
+from cdc_assets.source import (
+    ChunkCheck,
+    SkippedTableLike,
+    SnapshotReport,
+    SourceError,
+    SourceLag,
+    StreamReport,
+    TableT,
+)
+
+USER_METADATA = "spark.databricks.delta.commitInfo.userMetadata"
+BOUNDS_FILE = "stream_bounds.json"
+
+
+class StreamBatchError(RuntimeError):
+    """A stream batch failed; the message names the phase, what the batch held, the cause and what to change."""
+
+
+@dataclass
+class BatchProgress:
+    """What a batch got to before it failed."""
+
+    phase: str = "read"
+    table: str | None = None
+    changes: int | None = None
+    bytes: int | None = None
+    transactions: int | None = None
+    cut: bool = False  # a bound cut the batch: more was waiting
+
+
+JVM_GONE = ("Answer from Java side is empty", "Connection refused", "Error while sending or receiving",
+            "Connection reset", "Broken pipe", "Py4JNetworkError")  # fmt: skip
+
+
+def failure_cause(error: BaseException) -> str:
+    """The cause of a failed batch in one sentence: heap exhaustion and a dead JVM named as such (py4j's own error
+    after the JVM died says only "Connection refused"), else the error's type and first line."""
+    chain: list[BaseException] = []
+    seen: BaseException | None = error
+    while seen is not None and seen not in chain and len(chain) < 10:
+        chain.append(seen)
+        seen = seen.__cause__ or seen.__context__
+    texts = [f"{type(e).__name__}: {e}" for e in chain]
+    if any("OutOfMemoryError" in t for t in texts):
+        return "the Spark driver's JVM ran out of heap (java.lang.OutOfMemoryError)"
+    if any("Not enough memory to build and broadcast" in t for t in texts):
+        return "the Spark driver had not enough heap to broadcast a join side"
+    if any(isinstance(e, ConnectionError) or any(m in f"{type(e).__name__}: {e}" for m in JVM_GONE) for e in chain):
+        return (
+            "the Spark driver's JVM died or stopped answering (py4j: connection refused); most likely it ran out of "
+            "heap or was killed (the step's stderr has the JVM's last words)"
+        )
+    first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    return f"{type(error).__name__}: {first[:1500]}"
+
+
+def _size(count: float) -> str:
+    for unit in ("bytes", "KB", "MB", "GB"):
+        if count < 1024 or unit == "GB":
+            return f"{int(count)} {unit}" if unit == "bytes" else f"{count:.1f} {unit}"
+        count /= 1024
+    return f"{count} bytes"
+
+
+def describe_failure(
+    source: str, progress: BatchProgress, bounds: BatchBounds, shrunk: BatchBounds, cause: str, driver_memory: str,
+    change_log: str = "the replication slot",
+) -> str:  # fmt: skip
+    where = progress.phase + (f" of table {progress.table}" if progress.table else "")
+    if progress.changes is None:
+        limits = f"{bounds.max_changes} changes, {_size(bounds.max_bytes)}"
+        held = f"the batch was being read from {change_log} (bounds: {limits})"
+    else:
+        held = (
+            f"the batch held {progress.changes} changes in {progress.transactions} transactions, "
+            f"{_size(progress.bytes or 0)} of change messages (bounds: {bounds.max_changes} changes, "
+            f"{_size(bounds.max_bytes)})"
+        )
+    single = progress.transactions == 1 or (bounds.max_changes == 1 and bounds.max_bytes == 1)
+    if single:
+        advice = (
+            f"It is a single transaction and cannot be split: raise spark.driver.memory (now {driver_memory}) under "
+            "spark.conf in cdc.yaml."
+        )
+    else:
+        advice = (
+            f"The next attempt reads a smaller batch (at most {shrunk.max_changes} changes, "
+            f"{_size(shrunk.max_bytes)}; halved after each failure down to one transaction, grown back after "
+            f"successes). If batches keep failing, raise spark.driver.memory (now {driver_memory}) under spark.conf "
+            f"in cdc.yaml, or lower stream.max_batch_bytes / stream.max_changes of source {source!r}."
+        )
+    return f"stream batch of source {source!r} failed in phase {where}: {cause}; {held}. {advice}"
+
+
+def _quietly(action) -> None:
+    """Clean-up that must not replace the error in flight (after the JVM died, every call to it fails)."""
+    try:
+        action()
+    except Exception:  # the batch's own error (or success) is what counts
+        pass
+
+
+class CdcPipeline(Generic[TableT]):
+    def __init__(self, config: CdcConfig, source: SourceConfig, dialect: SourceDialect[TableT]) -> None:
+        self.config = config
+        self.source = source
+        self.dialect = dialect
+        self.lake = SourceLake(config.lake_root, source.name)
+        self.skipped_tables: list[SkippedTableLike] = []
+
+    # -- preparation -----------------------------------------------------------------------------------------
+    def prepare(self) -> dict[str, TableT]:
+        tables, skipped = self.dialect.discover()
+        self.skipped_tables = list(skipped)
+        self.__dict__["tables"] = {t.qualified_name: t for t in tables}
+        return self.__dict__["tables"]
+
+    def skipped(self) -> list[SkippedTableLike]:
+        """The selected tables that are not captured, each with its reason and fix (``prepare()``'s)."""
+        self.tables  # noqa: B018 - prepares once
+        return list(self.skipped_tables)
+
+    @cached_property
+    def tables(self) -> dict[str, TableT]:
+        return self.prepare()
+
+    def plan(self, table: TableT) -> ChunkPlan:
+        stored = self.lake.read_plan(table.qualified_name)
+        if stored is None:
+            stored = self.lake.store_plan(self.dialect.plan_chunks(table))
+        if stored.key_columns != tuple(table.key_columns):
+            raise SourceError(
+                f"source {self.source.name!r}: table {table.qualified_name}: the stored chunk plan uses key "
+                f"{list(stored.key_columns)} but the table's key is now {list(table.key_columns)}; "
+                f"remove {self.lake.plan_path(table.qualified_name)} and the table's lake folder to re-plan"
+            )
+        return stored
+
+    # -- snapshot --------------------------------------------------------------------------------------------
+    def snapshot(self, spark: SparkSession, table: TableT, chunk_indexes: list[int], run_id: str) -> SnapshotReport:
+        started = time.monotonic()
+        plan = self.plan(table)
+        chunks = [plan.chunks[i] for i in chunk_indexes]
+        attempt = f"{run_id}-{uuid.uuid4().hex[:8]}"
+        staging_path = self.lake.table(table.qualified_name).staging
+        with self.dialect.window() as session:
+
+            def read() -> dict[int, int]:
+                return session.stage_chunks(spark, table, chunks, staging_path, attempt)
+
+            windows = run_window(spark, self.lake, table.qualified_name, [c.index for c in chunks], attempt, session,
+                                 read)  # fmt: skip
+        return SnapshotReport(
+            attempt=attempt,
+            rows=sum(w.rows for w in windows),
+            per_chunk={w.chunk: w.rows for w in windows},
+            seconds=time.monotonic() - started,
+            low_watermark=windows[0].low_watermark if windows else "",
+            hw=windows[0].hw if windows else 0,
+        )
+
+    # -- streaming -------------------------------------------------------------------------------------------
+    def stream_batch(self, spark: SparkSession, recorded: Offset | None, run_id: str) -> StreamReport:
+        """One batch (see module docstring)."""
+        started = time.monotonic()
+        batch_id = f"{run_id}-{uuid.uuid4().hex[:8]}"
+        spill_dir = self.lake.spill_dir(batch_id)
+        configured = self.configured_bounds()
+        bounds = self.batch_bounds()
+        if bounds.in_flight is not None:  # the previous batch's process died while it wrote the lake
+            bounds = recover_in_flight(bounds)
+        progress = BatchProgress()  # in flight is recorded once the read returned (nothing is written before it)
+        try:
+            report = self._stream_batch(spark, recorded, batch_id, spill_dir, bounds, progress, started)
+        except BaseException as error:
+            if not isinstance(error, Exception):  # KeyboardInterrupt, SystemExit: not the batch's fault
+                raise
+            if isinstance(error, SourceError):
+                raise  # the source refused or is unreachable: its message names the setting; nothing was written
+            if isinstance(error, StagedRowsMismatch) or self.dialect.is_permanent(error):
+                self.store_bounds(bounds)  # no longer in flight, bounds unchanged: a smaller batch fails the same way
+                raise  # its own message names the table and the fix
+            cause = failure_cause(error)
+            shrunk = after_failure(bounds, progress.changes, progress.bytes, cause)
+            self.store_bounds(shrunk)
+            raise StreamBatchError(
+                describe_failure(self.source.name, progress, bounds, shrunk, cause, self.driver_memory(),
+                                 self.dialect.describe())
+            ) from error  # fmt: skip
+        restored = after_success(bounds, configured, progress.cut)
+        self.store_bounds(restored)
+        report.bounds = {
+            "max_changes": bounds.max_changes,
+            "max_bytes": bounds.max_bytes,
+            "shrunk": bounds.shrunk(configured),
+            "failures": bounds.failures,
+            "next_max_changes": restored.max_changes,
+            "next_max_bytes": restored.max_bytes,
+        }
+        if bounds.shrunk(configured):
+            report.bounds["reason"] = bounds.reason or ""
+        return report
+
+    def driver_memory(self) -> str:
+        """The driver heap this process's Spark driver starts with (``cdc.yaml``'s ``spark.conf`` or the default)."""
+        return self.config.spark.conf.get(DRIVER_MEMORY) or default_driver_memory()
+
+    def configured_bounds(self) -> BatchBounds:
+        return BatchBounds(self.source.stream.max_changes, self.source.stream.max_batch_bytes)
+
+    @property
+    def bounds_path(self) -> Path:
+        return self.lake.control / BOUNDS_FILE
+
+    def batch_bounds(self) -> BatchBounds:
+        """The bounds the next batch reads with (the configured ones unless failed batches shrank them)."""
+        configured = self.configured_bounds()
+        try:
+            data = json.loads(self.bounds_path.read_text())
+        except (FileNotFoundError, ValueError):
+            return configured
+        return BatchBounds.from_json(data if isinstance(data, dict) else {}, configured)
+
+    def store_bounds(self, bounds: BatchBounds) -> None:
+        path = self.bounds_path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        temporary = path.with_name(f".{path.name}.{uuid.uuid4().hex}")
+        temporary.write_text(json.dumps(bounds.to_json()))
+        os.replace(temporary, path)
+
+    def _stream_batch(
+        self, spark: SparkSession, recorded: Offset | None, batch_id: str, spill_dir: Path, bounds: BatchBounds,
+        progress: BatchProgress, started: float,
+    ) -> StreamReport:  # fmt: skip
+        tables = self.tables
+        settings = self.source.stream
+        batch = self.dialect.read_batch(recorded, tables, spill_dir, bounds.max_changes, bounds.max_bytes)
+        progress.changes, progress.bytes, progress.transactions = batch.changes, batch.bytes, batch.transactions
+        progress.cut = batch.cut
+        self.store_bounds(with_in_flight(bounds, batch.changes, batch.bytes))
+        phases = {"read": time.monotonic() - started}
+        per_table: dict[str, dict[str, int]] = {}
+        unknown_keys: dict[str, list[tuple]] = {}
+        try:
+            progress.phase = "changelog"
+            size_fault("stream.batch_over", batch.changes)
+            metadata = {"source": self.source.name, "batch": batch_id, **batch.offset, "position": batch.applied}
+            spark.conf.set(USER_METADATA, json.dumps(metadata))
+            for name, spill in sorted(batch.tables.items()):
+                if not spill.parts:
+                    continue
+                table = tables[name]
+                paths = self.lake.table(name)
+                progress.table = name
+                big = spill.bytes > settings.spill_bytes
+                conf = big_batch_conf(spill.bytes, spill.changes, bool(spill.unchanged_columns), settings.spill_bytes)
+                with session_conf(spark, conf):
+                    changes = spill.frame(spark)
+                    # big values: kept on the local disk, not in the heap (the default level keeps what fits)
+                    changes = changes.persist(StorageLevel.DISK_ONLY) if big else changes.cache()
+                    try:
+                        fields = self.dialect.spark_fields(table, spill.added_columns)
+                        progress.phase, mark = "changelog", time.monotonic()
+                        append_changelog(spark, paths.changelog, changes, batch.applied)
+                        phases["changelog"] = phases.get("changelog", 0.0) + time.monotonic() - mark
+                        fault_point("stream.after_changelog")
+                        progress.phase, mark = "merge", time.monotonic()
+                        unknown = apply_changes(
+                            spark, paths.mirror, changes, fields, table.key_columns, set(spill.unchanged_columns),
+                            spill.truncate,
+                        )  # fmt: skip
+                        fault_point("stream.after_merge")
+                        if unknown:
+                            unknown_keys[name] = unknown
+                        phases["merge"] = phases.get("merge", 0.0) + time.monotonic() - mark
+                    finally:
+                        _quietly(changes.unpersist)  # the JVM may be gone: keep the batch's own error
+                per_table[name] = {
+                    "changes": spill.changes, "bytes": spill.bytes, "spill_parts": spill.parts,
+                    "truncates": spill.truncates,
+                }  # fmt: skip
+            progress.phase, progress.table = "reconcile", None
+            mark = time.monotonic()
+            reconciled, waiting, filled = self._reconcile_closed(spark, batch.applied)
+            # keys still unknown after a fill window closed (their rows were replaced or touched meanwhile) get the next
+            waiting += self._fill_unknown(spark, {**unknown_keys, **dict.fromkeys(filled)})
+            phases["reconcile"] = time.monotonic() - mark
+            fault_point("stream.after_lake_commit")
+        finally:
+            _quietly(lambda: spark.conf.unset(USER_METADATA))
+            shutil.rmtree(spill_dir, ignore_errors=True)
+        lag_seconds = None
+        if batch.last_commit_ts is not None:
+            lag_seconds = max(0.0, (datetime.now(UTC) - batch.last_commit_ts).total_seconds())
+        return StreamReport(
+            offset=batch.offset,
+            changes=batch.changes,
+            transactions=batch.transactions,
+            seconds=time.monotonic() - started,
+            lag_bytes=batch.lag_bytes,
+            lag_seconds=lag_seconds,
+            reconciled=reconciled,
+            waiting_windows=waiting,
+            per_table=per_table,
+            phase_seconds={k: round(v, 3) for k, v in phases.items()},
+            skipped_tables={t.qualified_name: f"{t.reason}; fix: {t.fix}" for t in self.skipped_tables},
+            bytes=batch.bytes,
+        )
+
+    def _fill_unknown(self, spark: SparkSession, wanted: dict[str, list[tuple] | None]) -> int:
+        """Open a fill window per table of ``wanted`` (table -> keys of its mirror rows with unknown values; None:
+        look them up in the mirror) unless the table has one open already (its reconciliation comes first; keys
+        still unknown then get the next one). The number of windows opened.
+
+        A fill window is a watermark window like a chunk's: low watermark, the rows of those keys read with every
+        column the table has now, high watermark; staged and recorded in the window log as chunk ``FILL_CHUNK``.
+        Nothing is written to the mirror here: a value read now is the row's only if no change replaced the row at
+        that key since (the key can have moved on and been reused by another row), which is known only once the
+        stream has passed the high watermark; then ``reconcile`` applies the window by the chunk rule
+        (``cdc_assets.lake.mirror``)."""
+        if not wanted:
+            return 0
+        pending = open_windows(window_log.read_events(spark, self.lake.windows))
+        busy = {w.table for w in pending if w.chunk == FILL_CHUNK}
+        opened = 0
+        for name, keys in sorted(wanted.items()):
+            table = self.tables.get(name)
+            if name in busy or table is None:
+                continue
+            paths = self.lake.table(name)
+            if keys is None:
+                unknown = spark.read.format("delta").load(paths.mirror).where(F.col("_cdc_unknown").isNotNull())
+                keys = [tuple(r) for r in unknown.select(*[F.col(f"`{k}`") for k in table.key_columns]).collect()]
+            if not keys:
+                continue
+            attempt = f"fill-{uuid.uuid4().hex[:12]}"
+            with self.dialect.window() as session:
+                found = keys
+
+                def read(session=session, table=table, found=found, staging=paths.staging, attempt=attempt):
+                    return {FILL_CHUNK: session.stage_rows_by_key(table, found, staging, attempt)}
+
+                run_window(spark, self.lake, name, [FILL_CHUNK], attempt, session, read)
+            opened += 1
+        return opened
+
+    def _reconcile_closed(self, spark: SparkSession, applied: int) -> tuple[list[dict[str, object]], int, set[str]]:
+        """Reconcile the windows the stream has passed: the chunks reconciled, the windows still open, and the tables
+        whose fill window was reconciled."""
+        log_read_at = time.time()
+        pending = open_windows(window_log.read_events(spark, self.lake.windows))
+        ready = closable(pending, applied)
+        done: list[dict[str, object]] = []
+        filled: set[str] = set()
+        by_table: dict[str, list[ChunkWindow]] = {}
+        for window in ready:
+            by_table.setdefault(window.table, []).append(window)
+        for name, windows in sorted(by_table.items()):
+            table = self.tables.get(name)
+            if table is None:
+                continue
+            plan = self.plan(table)
+            chunks: dict[int, Chunk] = {c.index: c for c in plan.chunks}
+            paths = self.lake.table(name)
+            # staged rows of big values look small to Spark's join planner (compressed files): no broadcast then
+            staged_bytes = staging.staged_bytes(paths.staging, (w.attempt for w in windows))
+            staged_rows = sum(w.rows for w in windows)
+            with session_conf(spark, big_batch_conf(staged_bytes, staged_rows, False, self.source.stream.spill_bytes)):
+                results = reconcile(
+                    spark, paths.mirror, paths.changelog, paths.staging, self.dialect.spark_fields(table),
+                    table.key_columns, windows, chunks, self.dialect.settled_rule,
+                )  # fmt: skip
+            counts = {(r.table, r.chunk): (r.kept, r.dropped, r.deleted) for r in results}
+            window_log.record(spark, self.lake.windows, RECONCILED, windows, counts)
+            for r in results:
+                self.lake.clear_waiting(r.table, r.chunk)
+                if r.chunk == FILL_CHUNK:  # not a chunk of the table's asset
+                    filled.add(r.table)
+                    continue
+                done.append(
+                    {"table": r.table, "chunk": r.chunk, "event": RECONCILED, "kept": r.kept, "dropped": r.dropped,
+                     "deleted": r.deleted}
+                )  # fmt: skip
+        still_open = [w for w in pending if w not in ready]
+        markers = self.lake.waiting_markers()
+        for window in still_open:
+            if markers.get((window.table, window.chunk)) != window.hw:
+                self.lake.mark_waiting(window.table, window.chunk, window.hw)
+        self.lake.clear_stale_markers({(w.table, w.chunk) for w in still_open}, older_than=log_read_at)
+        return done, len(still_open), filled
+
+    # -- what the source answers -----------------------------------------------------------------------------
+    def partitions(self, table: TableT) -> list[str]:
+        return self.dialect.partitions(table)
+
+    def column_names(self, table: TableT) -> list[str]:
+        return self.dialect.column_names(table)
+
+    def filled_without_changes(self, table: TableT, names: Sequence[str]) -> list[str]:
+        return self.dialect.filled_without_changes(table, names) if names else []
+
+    def check_chunks(
+        self, spark: SparkSession, table: TableT, indexes: Sequence[int], wait_seconds: float = 120
+    ) -> list[ChunkCheck]:
+        """Count and checksum of ``indexes``' key ranges, at the source and over the mirror (the dialect's)."""
+        plan = self.plan(table)
+        chunks = [plan.chunks[i] for i in indexes]
+        return self.dialect.check_chunks(spark, self.lake, table, chunks, wait_seconds)
+
+    def lag(self) -> SourceLag:
+        return self.dialect.lag()
+
+    def position(self, offset: Offset) -> int:
+        """The ordered position of a recorded offset."""
+        return self.dialect.position(offset)
+
+    def format_position(self, position: int) -> str:
+        return self.dialect.format_position(position)
+
+    def validate_offset(self, requested: Mapping[str, str]) -> dict[str, object]:
+        return self.dialect.validate_offset(requested)
+
+    def pending_work(self, lag: SourceLag | None = None) -> str | None:
+        """Why a stream batch is due now, or None: the source's own reason (changes wait; it keeps too much for us),
+        or a staged window's high watermark is at or below the source's current position (it can close), or a
+        consistency check waits for the stream to pass its high watermark. Reads no Delta table (the waiting markers
+        are plain files): cheap enough for a sensor. ``lag``: one the caller just took."""
+        reason, position = self.dialect.pending(lag)
+        if reason is not None:
+            return reason
+        if any(hw <= position for hw in self.lake.waiting_markers().values()):
+            return "a chunk window can close"
+        if any(hw <= position for hw in self.lake.check_markers()):
+            return "a consistency check waits for the stream"
+        return None
+
+    def acknowledge(self, offset: Offset) -> int:
+        """Let the source forget changes up to ``offset`` (only forward). Call only after ``offset`` is recorded."""
+        return self.dialect.acknowledge(offset)
