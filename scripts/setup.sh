@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Install everything the project needs on a fresh machine (idempotent):
 #   Debian packages (PostgreSQL 15 server, Java 17, Maven) when missing, a Python 3.11 virtualenv in .venv with
-#   the project and its dev extras from PyPI, and the Delta JVM jars via Maven into the git-ignored .jars/.
+#   the project and its dev extras from PyPI, the Delta JVM jars via Maven into the git-ignored .jars/, and the
+#   MongoDB test server (jvm/mongo-test-server, built with Maven) with its dependencies into .jars/mongo-test-server/
+#   (a folder of its own: Spark loads every jar directly in .jars/, and the test server's netty 4.2 must not be there).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -28,5 +30,14 @@ if [ ! -f .jars/.complete ] || [ jvm/pom.xml -nt .jars/.complete ]; then
   rm -rf .jars
   (cd jvm && mvn -q -B dependency:copy-dependencies -DoutputDirectory=../.jars -DincludeScope=runtime)
   touch .jars/.complete
+fi
+MTS=jvm/mongo-test-server
+if [ ! -f .jars/mongo-test-server/.complete ] \
+  || [ -n "$(find "$MTS/pom.xml" "$MTS/src" -newer .jars/mongo-test-server/.complete -print -quit)" ]; then
+  rm -rf .jars/mongo-test-server
+  (cd "$MTS" && mvn -q -B package dependency:copy-dependencies \
+    -DoutputDirectory=../../.jars/mongo-test-server -DincludeScope=runtime)
+  cp "$MTS/target/mongo-test-server.jar" .jars/mongo-test-server/
+  touch .jars/mongo-test-server/.complete
 fi
 echo "setup complete: .venv and .jars ready"

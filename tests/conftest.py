@@ -9,6 +9,7 @@ from pathlib import Path
 import psycopg
 import pytest
 
+from tests.integration.mongo_support import REAL_MONGODB_URI_ENV, real_mongodb_uri, start_mongo_test_server
 from tests.integration.support import ABSENT_STANDBY, PG_PORT, PG_SOCKET
 from tests.tools.torture_support import BackgroundRun, start_broken_run, start_faulted_run
 
@@ -61,6 +62,28 @@ def postgres_server() -> Iterator[dict[str, str]]:
     yield {"socket": PG_SOCKET, "port": str(PG_PORT)}
     if not was_running:
         subprocess.run([pg, "stop"], check=True, capture_output=True, text=True)
+
+
+@pytest.fixture(scope="session")
+def mongo_server() -> Iterator[str]:
+    """Start the MongoDB test server (mongo-java-server, oplog on; ``tests/integration/mongo_support.py``) on a free
+    loopback port for this session and yield its connection string; stopped at the session's end. Never skips: a
+    missing ``java`` or launcher jar is a failure."""
+    server = start_mongo_test_server(ROOT / ".state" / "mongo-test-server")
+    try:
+        yield server.uri
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def real_mongodb() -> str:
+    """The connection string of a real replica set from ``$CDC_TEST_MONGODB_URI``: the gated tests that use it skip
+    (the one allowed skip) when it is not set."""
+    uri = real_mongodb_uri()
+    if uri is None:
+        pytest.skip(f"{REAL_MONGODB_URI_ENV} is not set: no real MongoDB replica set to run against")
+    return uri
 
 
 def reset_absent_standby(admin_dsn: str) -> None:
