@@ -27,7 +27,9 @@ only in ``acknowledge``).
   and the source's current position (a window or check marker at or below it can close); ``lag()``: ``SourceLag``.
 - ``settled_rule``: what "settled at the low watermark" means over the changelog (``cdc_assets.lake.settled``).
 - ``spark_fields(table, added)``: the Spark fields of the table's columns, with columns a batch found added.
-- ``column_names``, ``partitions``, ``filled_without_changes``, ``check_chunks``: as in ``cdc_assets.source``.
+- ``column_names``, ``partitions``, ``filled_without_changes``: as in ``cdc_assets.source``.
+- ``check_session()``: the source half of a consistency check (``CheckSession``; the check itself is
+  ``cdc_assets.consistency``).
 - ``is_permanent(error)``: an error a smaller batch would repeat (the pipeline keeps the bounds and re-raises it).
 - ``describe()``: a few words for messages (e.g. "replication slot 'cdc_demo'").
 """
@@ -43,13 +45,11 @@ from typing import TYPE_CHECKING, Protocol
 
 from cdc_assets.engine.chunks import Chunk, ChunkPlan
 from cdc_assets.lake.settled import SettledRule
-from cdc_assets.source import ChunkCheck, SkippedTableLike, SourceLag, TableT
+from cdc_assets.source import SkippedTableLike, SourceLag, TableT
 
 if TYPE_CHECKING:
-    from pyspark.sql import DataFrame, SparkSession
+    from pyspark.sql import Column, DataFrame, SparkSession
     from pyspark.sql import types as T
-
-    from cdc_assets.lake.layout import SourceLake
 
 Offset = Mapping[str, object]
 
@@ -107,6 +107,35 @@ class WindowSession(Protocol[TableT]):
     def stage_rows_by_key(self, table: TableT, keys: Sequence[tuple], staging_path: str, attempt: str) -> int: ...
 
 
+class CheckSession(Protocol[TableT]):
+    """The source half of one consistency check (``cdc_assets.consistency``), and the mirror-side expressions that
+    compute alike. ``summaries``, ``summary_of_keys``, ``key_digests`` and ``row_texts`` read one consistent view of
+    the source, taken after ``low_watermark()`` and before ``high_watermark()``, kept until the session ends. A row's
+    digest is a signed 64-bit integer; ``mirror_row_digest`` gives the same for a mirror row holding that row, and
+    ``mirror_key_text`` / ``mirror_column_texts`` (aliased by column name) spell keys and columns as the source
+    does (``with_unrepresentable`` False: over a frame of key columns only)."""
+
+    def low_watermark(self) -> str: ...
+
+    def current_table(self, table: TableT) -> TableT: ...
+
+    def summaries(self, table: TableT, chunks: Sequence[Chunk]) -> list[tuple[int, int]]: ...
+
+    def high_watermark(self) -> int: ...
+
+    def summary_of_keys(self, table: TableT, chunk: Chunk, key_texts: list[str]) -> tuple[int, int]: ...
+
+    def key_digests(self, table: TableT, chunk: Chunk) -> list[tuple[str, int]]: ...
+
+    def row_texts(self, table: TableT, chunk: Chunk, key_text: str) -> dict[str, str | None] | None: ...
+
+    def mirror_row_digest(self, table: TableT) -> Column: ...
+
+    def mirror_key_text(self, table: TableT, with_unrepresentable: bool) -> Column: ...
+
+    def mirror_column_texts(self, table: TableT) -> list[Column]: ...
+
+
 class SourceDialect(Protocol[TableT]):
     settled_rule: SettledRule
 
@@ -142,8 +171,6 @@ class SourceDialect(Protocol[TableT]):
 
     def filled_without_changes(self, table: TableT, names: Sequence[str]) -> list[str]: ...
 
-    def check_chunks(
-        self, spark: SparkSession, lake: SourceLake, table: TableT, chunks: Sequence[Chunk], wait_seconds: float
-    ) -> list[ChunkCheck]: ...
+    def check_session(self) -> AbstractContextManager[CheckSession[TableT]]: ...
 
     def is_permanent(self, error: BaseException) -> bool: ...

@@ -47,6 +47,7 @@ from pyspark.sql import SparkSession
 from pyspark.sql import functions as F
 
 from cdc_assets.config import CdcConfig, SourceConfig
+from cdc_assets.consistency import check_chunks
 from cdc_assets.dialect import Offset, SourceDialect
 from cdc_assets.engine.batch_bounds import BatchBounds, after_failure, after_success, recover_in_flight, with_in_flight
 from cdc_assets.engine.chunks import Chunk, ChunkPlan
@@ -462,10 +463,11 @@ class CdcPipeline(Generic[TableT]):
     def check_chunks(
         self, spark: SparkSession, table: TableT, indexes: Sequence[int], wait_seconds: float = 120
     ) -> list[ChunkCheck]:
-        """Count and checksum of ``indexes``' key ranges, at the source and over the mirror (the dialect's)."""
+        """Count and checksum of ``indexes``' key ranges, at the source and over the mirror
+        (``cdc_assets.consistency``, with the dialect's source half)."""
         plan = self.plan(table)
         chunks = [plan.chunks[i] for i in indexes]
-        return self.dialect.check_chunks(spark, self.lake, table, chunks, wait_seconds)
+        return check_chunks(spark, self.lake, self.dialect, table, chunks, wait_seconds)
 
     def lag(self) -> SourceLag:
         return self.dialect.lag()
@@ -495,5 +497,9 @@ class CdcPipeline(Generic[TableT]):
         return None
 
     def acknowledge(self, offset: Offset) -> int:
-        """Let the source forget changes up to ``offset`` (only forward). Call only after ``offset`` is recorded."""
-        return self.dialect.acknowledge(offset)
+        """Let the source forget changes up to ``offset`` (only forward). Call only after ``offset`` is recorded.
+        The offset's position is then written to the lake (``SourceLake.record_acknowledged``): every change at or
+        below it is applied, which a consistency check waits for."""
+        held = self.dialect.acknowledge(offset)
+        self.lake.record_acknowledged(self.dialect.position(offset))
+        return held

@@ -34,7 +34,8 @@ engine (chunks, watermark windows, reconciliation, offsets) and the lake code ar
   otherwise). Attaching or detaching one changes the table's rows without a change in the log: the planner sensor
   then requests a snapshot of every chunk.
 - ``check_chunks(spark, table, indexes, wait_seconds)`` compares row count and checksum of chunks, computed at the
-  source and over the mirror, at a consistent point (PostgreSQL: ``sources/postgres/consistency.py``).
+  source and over the mirror, at a consistent point (``cdc_assets.consistency``, written once; the source half
+  from the dialect).
 
 ``open_source(config, source)`` (the registry, ``sources/__init__.py``) returns the implementation for
 ``source.kind``: the generic ``cdc_assets.pipeline.CdcPipeline`` over the kind's dialect (``cdc_assets.dialect``).

@@ -15,12 +15,15 @@ pipeline's questions the way a real source would (``cdc_assets.dialect.SourceDia
 - ``read_batch`` reads whole transactions after the recorded offset (``{"position": N}``), at most ``max_changes``
   changes unless one transaction is larger, spilled as one Parquet file per table in the changelog format; a
   source that only forgets what was acknowledged (``acknowledge``), as a replication slot does;
+- the consistency check's source half (``MemoryCheckSession``): counts and MD5-based row digests over a copy of
+  the table taken at the check's first read, computed alike over the mirror on Spark;
 - no unchanged values, no truncates, no added columns, no partitions: what this source lacks, the pipeline must not
   need.
 """
 
 from __future__ import annotations
 
+import hashlib
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -39,9 +42,8 @@ from cdc_assets.dialect import ChangeBatch, Offset, OffsetError, TableChanges
 from cdc_assets.engine.chunks import Chunk, ChunkPlan, chunks_from_boundaries
 from cdc_assets.engine.windows import FILL_CHUNK
 from cdc_assets.lake import staging
-from cdc_assets.lake.layout import SourceLake
 from cdc_assets.lake.schema import UNREPRESENTABLE_COLUMN, UNREPRESENTABLE_TYPE, spark_fields
-from cdc_assets.source import ChunkCheck, SourceLag
+from cdc_assets.source import SourceLag
 
 Key = tuple[Any, ...]
 Row = dict[str, Any]
@@ -191,6 +193,83 @@ class MemoryWindow:
         return staging.write_part(staging_path, attempt, FILL_CHUNK, 0, [_arrow_rows(table, found)], table.arrow_schema)
 
 
+def _part(text: str | None) -> str:
+    return "~" if text is None else f"{len(text.encode())}:{text}"
+
+
+def _text(value: Any) -> str | None:
+    return None if value is None else str(value)
+
+
+def _digest(texts: Sequence[str | None]) -> int:
+    value = int(hashlib.md5("".join(_part(t) for t in texts).encode()).hexdigest()[:16], 16)
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+def _mirror_part(column: Column) -> Column:
+    return F.when(column.isNull(), F.lit("~")).otherwise(F.concat(F.octet_length(column).cast("string"), F.lit(":"),
+                                                                  column))  # fmt: skip
+
+
+class MemoryCheckSession:
+    """A consistency check's source half: one copy of the table taken at the first read (the consistent view); a
+    row's digest is the first 64 bits of the MD5 of its column texts (``<bytes>:<text>``, ``~`` for NULL), which the
+    mirror side computes alike on Spark."""
+
+    def __init__(self, database: MemoryDatabase) -> None:
+        self.database = database
+        self.view: dict[str, dict[Key, Row]] = {}
+
+    def low_watermark(self) -> str:
+        return str(self.database.position)
+
+    def current_table(self, table: MemoryTable) -> MemoryTable:
+        return table
+
+    def _rows(self, table: MemoryTable, chunk: Chunk) -> list[Row]:
+        if table.qualified_name not in self.view:
+            self.view[table.qualified_name] = self.database.snapshot(table.qualified_name)
+        return [r for k, r in sorted(self.view[table.qualified_name].items()) if _in_chunk(table, k, chunk)]
+
+    def _key_text(self, table: MemoryTable, row: Row) -> str:
+        return "".join(_part(_text(row[k])) for k in table.key_columns)
+
+    def _digest(self, table: MemoryTable, row: Row) -> int:
+        return _digest([_text(row[n]) for n in table.schema.names])
+
+    def summaries(self, table: MemoryTable, chunks: Sequence[Chunk]) -> list[tuple[int, int]]:
+        return [
+            (len(rows), sum(self._digest(table, r) for r in rows)) for rows in (self._rows(table, c) for c in chunks)
+        ]
+
+    def high_watermark(self) -> int:
+        return self.database.position
+
+    def summary_of_keys(self, table: MemoryTable, chunk: Chunk, key_texts: list[str]) -> tuple[int, int]:
+        wanted = set(key_texts)
+        rows = [r for r in self._rows(table, chunk) if self._key_text(table, r) in wanted]
+        return len(rows), sum(self._digest(table, r) for r in rows)
+
+    def key_digests(self, table: MemoryTable, chunk: Chunk) -> list[tuple[str, int]]:
+        return [(self._key_text(table, r), self._digest(table, r)) for r in self._rows(table, chunk)]
+
+    def row_texts(self, table: MemoryTable, chunk: Chunk, key_text: str) -> dict[str, str | None] | None:
+        for row in self._rows(table, chunk):
+            if self._key_text(table, row) == key_text:
+                return {n: _text(row[n]) for n in table.schema.names}
+        return None
+
+    def mirror_row_digest(self, table: MemoryTable) -> Column:
+        row = F.concat(*[_mirror_part(F.col(n).cast("string")) for n in table.schema.names])
+        return F.conv(F.substring(F.md5(row), 1, 16), 16, -10).cast("long")
+
+    def mirror_key_text(self, table: MemoryTable, with_unrepresentable: bool) -> Column:
+        return F.concat(*[_mirror_part(F.col(k).cast("string")) for k in table.key_columns])
+
+    def mirror_column_texts(self, table: MemoryTable) -> list[Column]:
+        return [F.col(n).cast("string").alias(n) for n in table.schema.names]
+
+
 class MemoryDialect:
     settled_rule = MemorySettledRule()
 
@@ -303,10 +382,9 @@ class MemoryDialect:
     def filled_without_changes(self, table: MemoryTable, names: Sequence[str]) -> list[str]:
         return []
 
-    def check_chunks(
-        self, spark: SparkSession, lake: SourceLake, table: MemoryTable, chunks: Sequence[Chunk], wait_seconds: float
-    ) -> list[ChunkCheck]:
-        raise NotImplementedError("the in-memory source has no consistency check")
+    @contextmanager
+    def check_session(self) -> Iterator[MemoryCheckSession]:
+        yield MemoryCheckSession(self.database)
 
     def is_permanent(self, error: BaseException) -> bool:
         return False

@@ -16,6 +16,9 @@ Contract (``<lake_root>/<source>/``):
 - ``_cdc/waiting-checks/<token>.hw``: the high watermark of a consistency check waiting for the stream (written
   and removed by the check; one older than ``CHECK_MARKER_SECONDS``, left by a killed check, is ignored and
   removed), so that a source nobody writes to still gets the batch that passes it.
+- ``_cdc/acknowledged``: the position of the last offset the source was told it may forget (written by
+  ``CdcPipeline.acknowledge`` after the offset was recorded): every change at or below it is in the lake. A
+  consistency check waits for it to pass its high watermark.
 - ``_cdc/upkeep/<step>``: empty files whose modification times are the ends of the last lake upkeep steps
   (``cdc_assets.lake.maintenance``): ``compact`` (staged attempts dropped, tables compacted) and ``vacuum``. The clock
   of a step starts when it is first asked whether the step is due: a new source's first batches pay for no upkeep.
@@ -128,6 +131,15 @@ class SourceLake:
             except (ValueError, FileNotFoundError):
                 continue
         return markers
+
+    def record_acknowledged(self, position: int) -> None:
+        _write_marker(self.control / "acknowledged", position)
+
+    def acknowledged(self) -> int | None:
+        try:
+            return int((self.control / "acknowledged").read_text())
+        except (FileNotFoundError, ValueError):
+            return None
 
     def mark_check_waiting(self, token: str, high_watermark: int) -> None:
         _write_marker(self.control / "waiting-checks" / f"{token}.hw", high_watermark)

@@ -14,8 +14,8 @@ from delta.tables import DeltaTable
 from pyspark.sql import functions as F
 from pyspark.sql.types import LongType
 
-from cdc_assets.sources.postgres.consistency import _touched_keys
-from cdc_assets.sources.postgres.pipeline import PostgresPipeline
+from cdc_assets.consistency import _touched_keys
+from cdc_assets.sources.postgres.pipeline import SETTLED_RULE, PostgresPipeline
 from cdc_assets.sources.postgres.snapshot import take_low_watermark
 from tests.integration.support import commit_held_by_absent_standby, pipeline_config, seeded_source
 from tests.integration.test_pipeline_guarantees import Writer, catch_up, stream_once
@@ -177,7 +177,9 @@ def test_left_out_keys_are_those_of_one_changelog_version_while_the_stream_appen
         admin.execute("set synchronous_commit = on")  # the test cluster's default is off: catch_up needs the flush
         admin.execute("update items set qty = 1 where id = 1")
         recorded = catch_up(pipeline, spark, recorded)
-        touched = _touched_keys(spark, pipeline.lake.table("public.items"), low_watermark, ["id"], {"id": LongType()})
+        touched = _touched_keys(
+            spark, pipeline.lake.table("public.items"), SETTLED_RULE, low_watermark.text(), ["id"], {"id": LongType()}
+        )
         assert touched is not None
         touched = touched.cache()
         first = sorted(r.id for r in touched.collect())

@@ -21,7 +21,7 @@ Contract:
 - ``pending`` / ``lag``: the slot holds a change for the publication, or lags the server's flush LSN by more than
   ``max_lag_bytes`` (advancing it lets the server recycle WAL while the captured tables are idle and others are
   busy); the current position is the server's flush LSN.
-- ``check_chunks`` is ``cdc_assets.sources.postgres.consistency.check_chunks``.
+- ``check_session`` is the source half of a consistency check (``cdc_assets.sources.postgres.consistency``).
 """
 
 from __future__ import annotations
@@ -42,11 +42,11 @@ from cdc_assets.dialect import ChangeBatch, Offset, OffsetError, TableChanges
 from cdc_assets.engine.chunks import Chunk, ChunkPlan
 from cdc_assets.engine.windows import FILL_CHUNK
 from cdc_assets.lake import staging
-from cdc_assets.source import ChunkCheck, PermanentBatchError, SourceLag
+from cdc_assets.source import PermanentBatchError, SourceLag
 from cdc_assets.sources.postgres import catalog, snapshot, stream
 from cdc_assets.sources.postgres.catalog import CapturedTable, SkippedTable
 from cdc_assets.sources.postgres.connection import connect
-from cdc_assets.sources.postgres.consistency import check_chunks
+from cdc_assets.sources.postgres.consistency import PostgresCheckSession, check_session
 from cdc_assets.sources.postgres.lsn import format_lsn, parse_lsn
 from cdc_assets.sources.postgres.pg_values import PgColumn, arrow_schema, copy_query_to_arrow, spark_schema
 from cdc_assets.sources.postgres.watermark import PostgresSettledRule
@@ -55,7 +55,6 @@ if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
     from pyspark.sql import types as T
 
-    from cdc_assets.lake.layout import SourceLake
 
 SETTLED_RULE = PostgresSettledRule()
 
@@ -308,10 +307,10 @@ class PostgresDialect:
         with self.connect() as conn:
             return catalog.filled_without_changes(conn, table, names)
 
-    def check_chunks(
-        self, spark: SparkSession, lake: SourceLake, table: CapturedTable, chunks: Sequence[Chunk], wait_seconds: float
-    ) -> list[ChunkCheck]:
-        return check_chunks(spark, lake, self.source.slot, self.connect, table, chunks, wait_seconds)
+    @contextmanager
+    def check_session(self) -> Iterator[PostgresCheckSession]:
+        with self.connect() as conn, self.connect() as reader, check_session(conn, reader) as session:
+            yield session
 
     def is_permanent(self, error: BaseException) -> bool:
         return isinstance(error, PermanentBatchError)
