@@ -76,8 +76,10 @@ def start_faulted_run(work_dir: Path) -> BackgroundRun:
 
 
 def start_broken_run(work_dir: Path) -> BackgroundRun:
-    """Start ``--broken-reconciliation`` on seed 903 (no faults) in the background; output in ``work_dir``."""
+    """Start ``--broken-reconciliation`` on seed 903 (no faults) in the background; output in ``work_dir``. One
+    snapshot worker (one Spark driver fewer beside the suite): the rule breaks on commits between a window's reads
+    and its high watermark, which one worker's windows see as well."""
     return start_run(
-        work_dir, "--seeds", str(BROKEN_SEED), "--no-faults", "--broken-reconciliation",
+        work_dir, "--seeds", str(BROKEN_SEED), "--no-faults", "--broken-reconciliation", "--snapshot-workers", "1",
         "--pg-port", "54341", "--pg-state", str(ROOT / ".state" / "torture-pg-broken"),
     )  # fmt: skip
