@@ -1,1 +1,1 @@
-"""Read-only change data capture from PostgreSQL into Delta Lake, orchestrated by Dagster."""
+"""Read-only change data capture from PostgreSQL (and, in progress, MongoDB) into Delta Lake, orchestrated by Dagster."""

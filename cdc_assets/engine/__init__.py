@@ -1,1 +1,2 @@
-"""The CDC engine: pure-Python modules with no Dagster import (chunking, watermarks, decoding, offsets)."""
+"""The CDC engine's pure decisions, no Spark and no Dagster: chunk plans, open and closable windows, batch bounds,
+fault points, names, key chains."""

@@ -1,1 +1,1 @@
-"""The Delta Lake side: Spark session, lake layout, chunk window log, mirror/changelog writes, the source pipeline."""
+"""The Delta Lake side: Spark session, lake layout, window log and window sequence, staging, mirror/changelog writes."""
