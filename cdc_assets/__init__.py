@@ -1,1 +1,1 @@
-"""Read-only change data capture from PostgreSQL (and, in progress, MongoDB) into Delta Lake, orchestrated by Dagster."""
+"""Read-only change data capture from PostgreSQL (MongoDB in progress) into Delta Lake, orchestrated by Dagster."""
