@@ -33,6 +33,7 @@ from pathlib import Path
 
 import pymongo
 from pymongo import monitoring
+from pymongo.errors import OperationFailure
 
 from cdc_assets.config import MongoConnection, redact_uri
 from cdc_assets.source import SourceError
@@ -89,7 +90,9 @@ def scrub(text: str, connection: MongoConnection) -> str:
 
 
 def source_error(error: BaseException, connection: MongoConnection, doing: str) -> SourceError:
-    cause = scrub(f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}", connection)[:800]
+    text = str(error).splitlines()[0] if str(error) else ""
+    text = text.split(", Topology Description:")[0]  # the driver's dump of its view of the servers: noise here
+    cause = scrub(f"{type(error).__name__}: {text}", connection)[:800]
     return SourceError(
         f"MongoDB at {connection.describe()}: {doing} failed: {cause}. Check that the server is reachable from here "
         f"(connection.server_selection_timeout_ms is {connection.server_selection_timeout_ms} ms), that the "
@@ -104,7 +107,10 @@ class Capabilities:
 
     @classmethod
     def of(cls, client: pymongo.MongoClient) -> Capabilities:
-        hello = client.admin.command("isMaster")  # the test server does not know "hello"
+        try:
+            hello = client.admin.command("hello")
+        except OperationFailure:  # the test server knows only the legacy name
+            hello = client.admin.command("isMaster")
         replicated = "setName" in hello or hello.get("msg") == "isdbgrid"
         return cls(cluster_time=replicated and "logicalSessionTimeoutMinutes" in hello)
 
