@@ -358,3 +358,23 @@ def test_on_a_real_replica_set(spark, real_mongodb: str, tmp_path: Path, faults:
     finally:
         with pymongo.MongoClient(real_mongodb) as client:
             client.drop_database(name)
+
+
+def test_discovery_by_patterns_and_names(mongo_server: str, database_name: str, tmp_path: Path) -> None:
+    """No Spark: which collections a source captures, and where its stream starts (stored once)."""
+    with pymongo.MongoClient(mongo_server) as client:
+        for name in ("orders", "order_lines", "tmp_scratch", "audit"):
+            client[database_name][name].insert_one({"_id": 1})
+        config, source = source_config(
+            mongo_server, tmp_path, database_name, 10, include=[f"{database_name}.order*", f"{database_name}.tmp_*"],
+            exclude=[f"{database_name}.tmp_*"], tables=[f"{database_name}.audit"],
+        )  # fmt: skip
+        dialect = MongoDialect(source, tmp_path / "control")
+        tables, skipped = dialect.discover()
+        assert [t.collection for t in tables] == ["audit", "order_lines", "orders"] and not skipped
+        assert all(t.key_columns == ("_id_key",) for t in tables)
+        start = dialect.stream_start()
+        client[database_name]["orders"].insert_one({"_id": 2})
+        assert MongoDialect(source, tmp_path / "control").stream_start() == start  # first writer wins
+        assert dialect.current_position() > start
+        dialect.close()
