@@ -9,6 +9,8 @@
   collection (canonical extended JSON per ``_id``), no event is twice in the changelog, and a pymongo command
   listener on every client of the pipeline (the driver's and the Spark tasks') saw no write command.
 - An idle collection's chunk is reconciled by a batch that reads no event (no write to the source at all).
+- The same comparison fails with a broken settled rule (every event settled): a document deleted after the read
+  comes back.
 - Bad input: an unreachable server, a missing collection, an unparsable resume token, a timestamp in the future, a
   collection dropped while streaming: each a clear message; the drop moves no offset and applies nothing.
 - The gated variant runs the main scenario against a real replica set (``$CDC_TEST_MONGODB_URI``).
@@ -43,7 +45,8 @@ from cdc_assets.source import PermanentBatchError, SourceError
 from cdc_assets.sources.mongodb.bson_order import canonical_json, from_canonical_json
 from cdc_assets.sources.mongodb.catalog import CapturedCollection, id_key
 from cdc_assets.sources.mongodb.client import CommandAudit, is_write, read_audit
-from cdc_assets.sources.mongodb.dialect import MongoDialect
+from cdc_assets.sources.mongodb.dialect import MongoDialect, MongoWindow
+from cdc_assets.sources.mongodb.watermark import MongoSettledRule
 
 KILLS = ("snapshot.before_window_record", "stream.after_changelog", "stream.after_merge", "stream.after_lake_commit")
 
@@ -235,10 +238,10 @@ def assert_exact(spark, pipeline: CdcPipeline, collection: pymongo.collection.Co
 def run_main_scenario(spark, uri: str, database: str, tmp_path: Path, faults: FaultPoints) -> None:
     with pymongo.MongoClient(uri) as client:
         items = client[database]["items"]
-        ids = [mixed_id(i) for i in range(270)]
+        ids = [mixed_id(i) for i in range(200)]
         items.insert_many([{"_id": i, "v": n, "tags": ["a"], "long": Int64(n)} for n, i in enumerate(ids)])
         audit = tmp_path / "commands.log"
-        config, source = source_config(uri, tmp_path / "lake", database, chunk_size=60, max_changes=400)
+        config, source = source_config(uri, tmp_path / "lake", database, chunk_size=50, max_changes=400)
         dialect = MongoDialect(source, tmp_path / "lake" / "docs" / "_cdc", listeners=[CommandAudit(str(audit))])
         pipeline = CdcPipeline(config, source, dialect)
         table = pipeline.prepare()[CapturedCollection(database, "items").qualified_name]
@@ -262,11 +265,11 @@ def run_main_scenario(spark, uri: str, database: str, tmp_path: Path, faults: Fa
                 faults.armed.add(kill)
                 while kill in faults.armed:
                     stream.batch()
-            stream.batch(acknowledge=False)  # recorded, killed before it was acknowledged
         assert set(faults.fired) == set(KILLS), faults.fired
-        # re-inserts of every deleted id (all types), then catch up
+        # re-inserts of deleted ids (of every type), then catch up
         for key in writer.deleted[:20]:
             items.insert_one({"_id": key, "back": True})
+        stream.batch(acknowledge=False)  # recorded, killed before it was acknowledged
         stream.catch_up()
         assert writer.writes > 30
         assert_exact(spark, pipeline, items)
@@ -304,6 +307,35 @@ def test_an_idle_collections_chunk_is_reconciled_without_any_write(
         pipeline.acknowledge(batch.offset)
         assert pipeline.pending_work() is None
         assert_exact(spark, pipeline, notes)
+
+
+def test_a_broken_settled_rule_is_caught(
+    spark, mongo_server: str, database_name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A document deleted after the read, before the high watermark: the right rule drops its staged row (the delete
+    is after the low watermark); a rule that calls every event settled upserts it after the stream applied the
+    delete, and the deleted document is back: the comparison of the main scenario fails."""
+    with pymongo.MongoClient(mongo_server) as client:
+        items = client[database_name]["items"]
+        items.insert_many([{"_id": mixed_id(i), "v": i} for i in range(30)])
+        config, source = source_config(mongo_server, tmp_path / "lake", database_name, chunk_size=1000)
+        pipeline = CdcPipeline(config, source, MongoDialect(source, tmp_path / "lake" / "docs" / "_cdc"))
+        table = pipeline.prepare()[CapturedCollection(database_name, "items").qualified_name]
+        monkeypatch.setattr(MongoSettledRule, "unsettled", lambda self: F.lit(False))
+        monkeypatch.setattr(MongoSettledRule, "since_window", lambda self: F.lit(False))
+        high_watermark = MongoWindow.high_watermark
+
+        def delete_then_high_watermark(window: MongoWindow) -> int:
+            items.delete_one({"_id": mixed_id(5)})  # after every read finished
+            return high_watermark(window)
+
+        monkeypatch.setattr(MongoWindow, "high_watermark", delete_then_high_watermark)
+        pipeline.snapshot(spark, table, [0], "only")
+        Stream(pipeline, spark).catch_up()
+        mirror = spark.read.format("delta").load(pipeline.lake.table(table.qualified_name).mirror)
+        assert mirror.where(F.col("_id_key") == id_key(mixed_id(5))).count() == 1  # resurrected
+        with pytest.raises(AssertionError, match=r"items"):
+            assert_exact(spark, pipeline, items)
 
 
 def test_bad_input_gives_clear_messages(spark, mongo_server: str, database_name: str, tmp_path: Path) -> None:
@@ -367,7 +399,7 @@ def test_discovery_by_patterns_and_names(mongo_server: str, database_name: str, 
     with pymongo.MongoClient(mongo_server) as client:
         for name in ("orders", "order_lines", "tmp_scratch", "audit"):
             client[database_name][name].insert_one({"_id": 1})
-        config, source = source_config(
+        _, source = source_config(
             mongo_server, tmp_path, database_name, 10, include=[f"{database_name}.order*", f"{database_name}.tmp_*"],
             exclude=[f"{database_name}.tmp_*"], tables=[f"{database_name}.audit"],
         )  # fmt: skip
