@@ -8,7 +8,9 @@
   its lake commit is re-run from the offset recorded before it. After catch-up the mirror holds exactly the
   collection (canonical extended JSON per ``_id``), no event is twice in the changelog, and a pymongo command
   listener on every client of the pipeline (the driver's and the Spark tasks') saw no write command.
-- An idle collection's chunk is reconciled by a batch that reads no event (no write to the source at all).
+- An idle collection's chunk is reconciled by a batch that reads no event (no write to the source at all); then
+  ``updateLookup`` documents newer than their event or gone (updated then deleted, deleted and inserted again) are
+  applied in one batch and the mirror is exact.
 - The same comparison fails with a broken settled rule (every event settled): a document deleted after the read
   comes back.
 - Bad input: an unreachable server, a missing collection, an unparsable resume token, a timestamp in the future, a
@@ -307,6 +309,29 @@ def test_an_idle_collections_chunk_is_reconciled_without_any_write(
         pipeline.acknowledge(batch.offset)
         assert pipeline.pending_work() is None
         assert_exact(spark, pipeline, notes)
+
+        # updateLookup: looked up when read, so newer than its event (n1's first update carries x = 2) or gone
+        # (n2 updated, then deleted: no row for the update; n3 updated, deleted and inserted again: the update carries
+        # the new document); applied in one batch, the mirror still ends exact
+        notes.update_one({"_id": "n1"}, {"$set": {"x": 1}})
+        notes.update_one({"_id": "n1"}, {"$set": {"x": 2}, "$unset": {"text": ""}})
+        notes.update_one({"_id": "n2"}, {"$inc": {"x": 1}})
+        notes.delete_one({"_id": "n2"})
+        notes.update_one({"_id": "n3"}, {"$push": {"tags": "a"}})
+        notes.delete_one({"_id": "n3"})
+        notes.insert_one({"_id": "n3", "again": True})
+        notes.replace_one({"_id": "n4"}, {"replaced": Int64(4)})
+        assert pipeline.pending_work() == "change events wait after the recorded position"
+        batch = pipeline.stream_batch(spark, batch.offset, "lookups")
+        assert batch.changes == 8
+        pipeline.acknowledge(batch.offset)
+        assert pipeline.pending_work() is None
+        assert_exact(spark, pipeline, notes)
+        changelog = spark.read.format("delta").load(pipeline.lake.table(table.qualified_name).changelog)
+        ordered = F.sort_array(F.collect_list(F.struct("_cdc_position", "_cdc_seq", "_cdc_op")))
+        per_id = changelog.groupBy(F.coalesce("after._id", "before._id").alias("_id")).agg(ordered.alias("ops"))
+        ops = {r["_id"]: "".join(op["_cdc_op"] for op in r["ops"]) for r in per_id.collect()}
+        assert ops == {'"n1"': "uu", '"n2"': "d", '"n3"': "udc", '"n4"': "u"}
 
 
 def test_a_broken_settled_rule_is_caught(
