@@ -20,6 +20,8 @@ Contract:
   position; errors name the field and the allowed forms.
 - ``pending`` / ``lag``: the current position against the last acknowledged one (kept in
   ``_cdc/mongodb_acknowledged.json``, since the server keeps none): events wait when the current position is past it.
+  On the test server a new dialect object starts looking for the newest event from the stored stream start or
+  acknowledged position (each was the newest event some process had seen, or before it), not from the oplog's start.
 - Connection failures raise ``SourceError`` with the connection string redacted (``client.source_error``).
 """
 
@@ -162,6 +164,7 @@ class MongoDialect:
         self._capabilities: clients.Capabilities | None = None
         self._tables: list[CapturedCollection] | None = None
         self.latest = clients.LatestEvent()
+        self._seeded = False
 
     # -- connection ------------------------------------------------------------------------------------------
     @property
@@ -201,6 +204,12 @@ class MongoDialect:
     def current_position(self) -> int:
         capabilities = self.capabilities
         namespaces = [t.namespace for t in self._captured()]
+        if not self._seeded:  # every event at or before a stored position was seen by the process that stored it
+            for name in (START_FILE, ACKNOWLEDGED_FILE):
+                stored = _read_position(self.control / name)
+                if stored is not None:
+                    self.latest.note(stored)
+            self._seeded = True
         return self._call(
             "reading the current cluster time",
             lambda: clients.current_position(self.client, capabilities, self.latest, namespaces),
