@@ -5,6 +5,14 @@ offending key (as a dotted path) and the allowed keys or values. ``${NAME}`` in 
 environment variable ``NAME`` (an unset variable is an error naming it). A password may only come from the
 environment (``${...}``); its value never appears in ``repr``, messages or metadata.
 
+Per kind: a ``postgres`` source has a ``PostgresConnection`` (host, port, dbname, user, password) and a ``slot`` and
+``publication``; a ``mongodb`` source has a ``MongoConnection`` (``uri``: the connection string, only from the
+environment, as it may hold credentials; kept as a ``Secret``) and ``mongodb`` options (``MongoOptions``:
+``databases`` to list collections in, ``full_document`` mode), no slot or publication (the keys are refused for it,
+naming the allowed ones). Both kinds share ``include``/``exclude`` (``fnmatch`` patterns over ``schema.table``, for
+MongoDB ``database.collection``), ``tables``, ``chunk_size``, ``read_parallelism``, ``startup_mode`` (MongoDB:
+``initial`` only so far), ``stream`` and ``checks``.
+
 See ``cdc.yaml`` at the repository root for a documented example.
 """
 
@@ -21,7 +29,11 @@ import yaml
 from cdc_assets.engine.names import qualify, split_qualified
 
 STARTUP_MODES = ("initial", "latest", "snapshot", "timestamp")
-SOURCE_KINDS = ("postgres",)
+SOURCE_KINDS = ("postgres", "mongodb")
+# change-stream fullDocument modes the MongoDB source supports: the document looked up when the event is read
+# (post-images, "whenAvailable"/"required" on MongoDB 6.0+, are not supported yet)
+MONGODB_FULL_DOCUMENT_MODES = ("updateLookup",)
+MONGODB_STARTUP_MODES = ("initial",)
 _ENV_REFERENCE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
 _IDENTIFIER = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
 
@@ -84,6 +96,41 @@ class PostgresConnection:
         return f"postgresql://{self.user}@{self.host}:{self.port}/{self.dbname}"
 
 
+def redact_uri(uri: str) -> str:
+    """A MongoDB connection string without credentials: the user information and any password-like query option
+    replaced by ``***`` (for messages: hosts and options stay, secrets never)."""
+    scheme, separator, rest = uri.partition("://")
+    if not separator:
+        return "***"
+    authority, slash, tail = rest.partition("/")
+    if "@" in authority:
+        authority = "***@" + authority.rsplit("@", 1)[1]
+    tail = re.sub(r"(?i)((?:password|secret|token|authMechanismProperties)[^=&]*=)[^&]*", r"\1***", tail)
+    return f"{scheme}://{authority}{slash}{tail}"
+
+
+@dataclass(frozen=True)
+class MongoConnection:
+    """A MongoDB connection string (a ``Secret``: it may hold a user and password) and the client's timeouts."""
+
+    uri: Secret
+    server_selection_timeout_ms: int = 10_000
+    connect_timeout_ms: int = 10_000
+
+    def describe(self) -> str:
+        return redact_uri(self.uri.value)
+
+
+@dataclass(frozen=True)
+class MongoOptions:
+    """What only a MongoDB source has: the databases whose collections ``include``/``exclude`` choose from (empty:
+    every database the user may list, except ``admin``, ``local`` and ``config``), and the change stream's
+    ``fullDocument`` mode."""
+
+    databases: tuple[str, ...] = ()
+    full_document: str = "updateLookup"
+
+
 @dataclass(frozen=True)
 class StreamConfig:
     interval_seconds: int = 5
@@ -129,7 +176,7 @@ CRON_FIELDS = ("minute", "hour", "day of month", "month", "day of week")
 class SourceConfig:
     name: str
     kind: str
-    connection: PostgresConnection
+    connection: PostgresConnection | MongoConnection
     slot: str
     publication: str
     startup_mode: str
@@ -140,6 +187,7 @@ class SourceConfig:
     exclude: tuple[str, ...]
     stream: StreamConfig
     checks: ChecksConfig = ChecksConfig()
+    mongodb: MongoOptions | None = None  # set exactly for kind mongodb
 
 
 @dataclass(frozen=True)
@@ -206,14 +254,16 @@ _SOURCE_KEYS = {
     "name", "kind", "connection", "slot", "publication", "startup_mode", "chunk_size", "read_parallelism",
     "tables", "include", "exclude", "stream", "checks",
 }  # fmt: skip
+_MONGODB_SOURCE_KEYS = (_SOURCE_KEYS - {"slot", "publication"}) | {"mongodb"}
 
 
 def _source(raw: Any, where: str, environ: Any) -> SourceConfig:
-    source = _mapping(raw, where, _SOURCE_KEYS, required={"name", "kind", "connection"})
-    name = _identifier(source["name"], f"{where}.name")
-    kind = source["kind"]
-    if kind not in SOURCE_KINDS:
+    kind = raw.get("kind") if isinstance(raw, dict) else None
+    if isinstance(raw, dict) and "kind" in raw and kind not in SOURCE_KINDS:
         raise ConfigError(f"{where}.kind: {kind!r} is not supported; allowed: {', '.join(SOURCE_KINDS)}")
+    allowed = _MONGODB_SOURCE_KEYS if kind == "mongodb" else _SOURCE_KEYS
+    source = _mapping(raw, where, allowed, required={"name", "kind", "connection"})
+    name = _identifier(source["name"], f"{where}.name")
     mode = source.get("startup_mode", "initial")
     if mode not in STARTUP_MODES:
         raise ConfigError(f"{where}.startup_mode: {mode!r} is not allowed; allowed: {', '.join(STARTUP_MODES)}")
@@ -222,17 +272,32 @@ def _source(raw: Any, where: str, environ: Any) -> SourceConfig:
             f"{where}.startup_mode: 'timestamp' is not possible for PostgreSQL: a replication slot cannot start "
             "in the past; use 'initial' (snapshot, then stream) or 'latest' (stream from now)"
         )
+    if kind == "mongodb" and mode not in MONGODB_STARTUP_MODES:
+        raise ConfigError(
+            f"{where}.startup_mode: {mode!r} is not implemented for MongoDB yet; allowed: "
+            f"{', '.join(MONGODB_STARTUP_MODES)}"
+        )
     tables = tuple(_table(t, f"{where}.tables[{i}]") for i, t in enumerate(source.get("tables") or []))
     include = tuple(_string(p, f"{where}.include") for p in source.get("include") or [])
     exclude = tuple(_string(p, f"{where}.exclude") for p in source.get("exclude") or [])
     if not tables and not include:
         raise ConfigError(f"{where}: capture nothing; name tables under 'tables' or patterns under 'include'")
+    connection: PostgresConnection | MongoConnection
+    mongodb = None
+    if kind == "mongodb":
+        connection = _mongo_connection(source["connection"], f"{where}.connection", environ)
+        mongodb = _mongo_options(source.get("mongodb") or {}, f"{where}.mongodb")
+        slot = publication = ""
+    else:
+        connection = _connection(source["connection"], f"{where}.connection", environ)
+        slot = _identifier(source.get("slot", f"cdc_{name}"), f"{where}.slot")
+        publication = _identifier(source.get("publication", f"cdc_{name}"), f"{where}.publication")
     return SourceConfig(
         name=name,
         kind=kind,
-        connection=_connection(source["connection"], f"{where}.connection", environ),
-        slot=_identifier(source.get("slot", f"cdc_{name}"), f"{where}.slot"),
-        publication=_identifier(source.get("publication", f"cdc_{name}"), f"{where}.publication"),
+        connection=connection,
+        slot=slot,
+        publication=publication,
         startup_mode=mode,
         chunk_size=_positive_int(source.get("chunk_size", 50_000), f"{where}.chunk_size"),
         read_parallelism=_positive_int(source.get("read_parallelism", 2), f"{where}.read_parallelism"),
@@ -241,7 +306,51 @@ def _source(raw: Any, where: str, environ: Any) -> SourceConfig:
         exclude=exclude,
         stream=_stream(source.get("stream") or {}, f"{where}.stream"),
         checks=_checks(source.get("checks") or {}, f"{where}.checks"),
+        mongodb=mongodb,
     )
+
+
+def _mongo_connection(raw: Any, where: str, environ: Any) -> MongoConnection:
+    keys = {"uri", "server_selection_timeout_ms", "connect_timeout_ms"}
+    connection = _mapping(raw, where, keys, required={"uri"})
+    uri = connection["uri"]
+    if not isinstance(uri, str) or not _ENV_REFERENCE.fullmatch(uri.strip()):
+        raise ConfigError(
+            f"{where}.uri: must come from the environment, written as ${{VARIABLE_NAME}} (a connection string may "
+            "hold credentials); a literal connection string is not accepted"
+        )
+    value = str(_resolve(uri.strip(), f"{where}.uri", environ))
+    if not value.startswith(("mongodb://", "mongodb+srv://")):
+        raise ConfigError(
+            f"{where}.uri: the environment variable {uri.strip()} does not hold a MongoDB connection string; "
+            "allowed: mongodb://... or mongodb+srv://..."
+        )
+    defaults = MongoConnection(Secret(""))
+    return MongoConnection(
+        uri=Secret(value),
+        server_selection_timeout_ms=_positive_int(
+            connection.get("server_selection_timeout_ms", defaults.server_selection_timeout_ms),
+            f"{where}.server_selection_timeout_ms",
+        ),
+        connect_timeout_ms=_positive_int(
+            connection.get("connect_timeout_ms", defaults.connect_timeout_ms), f"{where}.connect_timeout_ms"
+        ),
+    )
+
+
+def _mongo_options(raw: Any, where: str) -> MongoOptions:
+    options = _mapping(raw, where, {"databases", "full_document"})
+    databases = options.get("databases") or []
+    if isinstance(databases, str):
+        databases = [databases]
+    if not isinstance(databases, list):
+        raise ConfigError(f"{where}.databases: expected a list of database names, got {databases!r}")
+    mode = options.get("full_document", "updateLookup")
+    if mode not in MONGODB_FULL_DOCUMENT_MODES:
+        raise ConfigError(
+            f"{where}.full_document: {mode!r} is not supported; allowed: {', '.join(MONGODB_FULL_DOCUMENT_MODES)}"
+        )
+    return MongoOptions(databases=tuple(_string(d, f"{where}.databases") for d in databases), full_document=str(mode))
 
 
 def _connection(raw: Any, where: str, environ: Any) -> PostgresConnection:

@@ -1,5 +1,5 @@
 """``cdc_assets.source``: the PostgreSQL pipeline is a ``CdcSource`` (the generic pipeline over PostgreSQL's
-dialect); a kind without an implementation is named."""
+dialect), a MongoDB source the generic pipeline over ``MongoDialect``; a kind without an implementation is named."""
 
 import dataclasses
 from functools import cached_property
@@ -12,6 +12,7 @@ from cdc_assets.dialect import SourceDialect
 from cdc_assets.pipeline import CdcPipeline
 from cdc_assets.source import CdcSource
 from cdc_assets.sources import UnsupportedSourceError, open_source
+from cdc_assets.sources.mongodb.dialect import MongoDialect
 from cdc_assets.sources.postgres.dialect import PostgresDialect
 from cdc_assets.sources.postgres.pipeline import PostgresPipeline
 
@@ -60,10 +61,24 @@ def test_every_dialect_operation_is_implemented_by_postgres() -> None:
         assert callable(getattr(PostgresDialect, name)), name
 
 
+def test_a_mongodb_source_opens_as_the_generic_pipeline_over_mongo_dialect(tmp_path: Path) -> None:
+    raw = {"lake_root": "lake", "sources": [{"name": "docs", "kind": "mongodb", "connection": {"uri": "${MONGO}"},
+                                            "include": ["shop.*"]}]}  # fmt: skip
+    config = parse_config(raw, tmp_path, {"MONGO": "mongodb://u:secret@127.0.0.1:1/?directConnection=true"})
+    source = open_source(config, config.source("docs"))  # connects to nothing until an operation runs
+    assert type(source) is CdcPipeline
+    assert isinstance(source.dialect, MongoDialect)
+    assert source.dialect.control == tmp_path / "lake" / "docs" / "_cdc"
+    assert "secret" not in source.dialect.describe()
+    operations = [n for n in vars(SourceDialect) if not n.startswith("_") and callable(vars(SourceDialect)[n])]
+    for name in operations:
+        assert callable(getattr(MongoDialect, name)), name
+
+
 def test_a_kind_without_implementation_is_refused_by_name(tmp_path: Path) -> None:
     config = parse_config(RAW, tmp_path, {"PGPW": "s3cret"})
-    mongo = dataclasses.replace(config.source("shop"), kind="mongodb")
+    mysql = dataclasses.replace(config.source("shop"), kind="mysql")
     with pytest.raises(
-        UnsupportedSourceError, match=r"source 'shop': kind 'mongodb' has no implementation; allowed: postgres"
+        UnsupportedSourceError, match=r"source 'shop': kind 'mysql' has no implementation; allowed: postgres, mongodb"
     ):
-        open_source(config, mongo)
+        open_source(config, mysql)

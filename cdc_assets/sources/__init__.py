@@ -1,4 +1,5 @@
-"""Source dialects: one package per database kind (``postgres``), each supplying what differs between databases.
+"""Source dialects: one package per database kind (``postgres``, ``mongodb``), each supplying what differs between
+databases.
 
 Contract: ``open_source(config, source)`` returns the ``CdcSource`` (``cdc_assets.source``) of ``source.kind``,
 importing that kind's package only then; a kind without one raises ``UnsupportedSourceError`` naming the source,
@@ -22,6 +23,12 @@ def open_source(config: CdcConfig, source: SourceConfig) -> CdcSource:
         from cdc_assets.sources.postgres.pipeline import PostgresPipeline
 
         return PostgresPipeline(config, source)
+    if source.kind == "mongodb":
+        from cdc_assets.lake.layout import SourceLake
+        from cdc_assets.pipeline import CdcPipeline
+        from cdc_assets.sources.mongodb.dialect import MongoDialect
+
+        return CdcPipeline(config, source, MongoDialect(source, SourceLake(config.lake_root, source.name).control))
     raise UnsupportedSourceError(
         f"source {source.name!r}: kind {source.kind!r} has no implementation; allowed: {', '.join(SOURCE_KINDS)}"
     )

@@ -1,0 +1,167 @@
+"""Connections of the MongoDB source: clients that only read, their errors without credentials, the server's
+capabilities, and the current position of the change stream.
+
+Contract:
+- ``connect(connection, listeners)`` returns a ``MongoClient`` with the configured timeouts, read concern
+  ``majority`` and reads from the primary; the connection string (a ``Secret``) is passed to the driver only.
+  Nothing in this package sends a write command (``tests/integration/test_mongodb_pipeline.py`` checks every command
+  of a whole run with a ``CommandAudit`` listener).
+- ``source_error(error, connection, doing)``: a ``SourceError`` whose message says what failed and what to check,
+  with the connection string redacted (``cdc_assets.config.redact_uri``) and any credential of it scrubbed from the
+  driver's text.
+- ``Capabilities.of(client)``: whether the server keeps cluster times (a replica set or ``mongos``: replies carry
+  ``operationTime``, sessions and ``afterClusterTime`` work, change-stream batches carry a post-batch resume token).
+  The test server (mongo-java-server) keeps none of these.
+- ``current_position(...)``: the position (``watermark.position_of``) the change stream has reached now. With
+  cluster times: the ``operationTime`` of a ``ping`` in a causally consistent session (the node's last applied
+  cluster time). Without (the test server): the newest event of the captured collections' change streams, read from
+  the newest position this process has seen before (``LatestEvent``): every event at or before it has been written
+  (it is in the oplog, and the test server appends a write's entry after applying the write and before replying),
+  and no event at or before it can appear later (the server numbers oplog entries from one counter as it appends
+  them; one writer at a time, as in the tests: concurrent writers could append out of order; docs/mongodb.md).
+- ``CommandAudit(path)``: a ``CommandListener`` appending each started command's name to a file (picklable, so
+  Spark tasks carry it): the tests' proof that no write command is sent.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import pymongo
+from pymongo import monitoring
+from pymongo.errors import OperationFailure
+
+from cdc_assets.config import MongoConnection, redact_uri
+from cdc_assets.source import SourceError
+from cdc_assets.sources.mongodb.watermark import position_of, timestamp_of
+
+FIRST_POSITION = (1 << 32) | 1  # Timestamp(1, 1): before every event (the test server accepts it as a start)
+WRITE_COMMANDS = frozenset({
+    "insert", "update", "delete", "findandmodify", "create", "createindexes", "drop", "dropdatabase", "dropindexes",
+    "renamecollection", "collmod", "applyops", "bulkwrite", "committransaction", "aborttransaction",
+})  # fmt: skip
+
+
+class CommandAudit(monitoring.CommandListener):
+    """Appends the name of every command a client starts to ``path`` (one per line)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def started(self, event: monitoring.CommandStartedEvent) -> None:
+        with open(self.path, "a") as log:
+            log.write(f"{os.getpid()} {event.command_name}\n")
+
+    def succeeded(self, event: monitoring.CommandSucceededEvent) -> None:
+        pass
+
+    def failed(self, event: monitoring.CommandFailedEvent) -> None:
+        pass
+
+
+def connect(connection: MongoConnection, listeners: Sequence[monitoring.CommandListener] = ()) -> pymongo.MongoClient:
+    return pymongo.MongoClient(
+        connection.uri.value,
+        serverSelectionTimeoutMS=connection.server_selection_timeout_ms,
+        connectTimeoutMS=connection.connect_timeout_ms,
+        readConcernLevel="majority",
+        readPreference="primary",
+        appname="cdc-lake",
+        event_listeners=list(listeners),
+    )
+
+
+def scrub(text: str, connection: MongoConnection) -> str:
+    """``text`` without the connection string or its user information."""
+    uri = connection.uri.value
+    text = text.replace(uri, redact_uri(uri))
+    _, _, rest = uri.partition("://")
+    authority = rest.partition("/")[0]
+    if "@" in authority:
+        userinfo = authority.rsplit("@", 1)[0]
+        for secret in {userinfo, *userinfo.split(":")}:
+            if secret:
+                text = text.replace(secret, "***")
+    return text
+
+
+def source_error(error: BaseException, connection: MongoConnection, doing: str) -> SourceError:
+    text = str(error).splitlines()[0] if str(error) else ""
+    text = text.split(", Topology Description:")[0]  # the driver's dump of its view of the servers: noise here
+    cause = scrub(f"{type(error).__name__}: {text}", connection)[:800]
+    return SourceError(
+        f"MongoDB at {connection.describe()}: {doing} failed: {cause}. Check that the server is reachable from here "
+        f"(connection.server_selection_timeout_ms is {connection.server_selection_timeout_ms} ms), that the "
+        "connection string in the environment is right and that the user may read the captured collections and "
+        "open change streams (roles read and changeStream)"
+    )
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    cluster_time: bool  # replies carry operationTime; sessions, afterClusterTime, post-batch resume tokens
+
+    @classmethod
+    def of(cls, client: pymongo.MongoClient) -> Capabilities:
+        try:
+            hello = client.admin.command("hello")
+        except OperationFailure:  # the test server knows only the legacy name
+            hello = client.admin.command("isMaster")
+        replicated = "setName" in hello or hello.get("msg") == "isdbgrid"
+        return cls(cluster_time=replicated and "logicalSessionTimeoutMinutes" in hello)
+
+
+class LatestEvent:
+    """The newest event position seen on the captured collections' change streams (the test server's current
+    position; see the module docstring). Thread-safe; remembers what it saw, so each call reads only newer events."""
+
+    def __init__(self) -> None:
+        self.seen = 0
+        self.lock = threading.Lock()
+
+    def advance(self, client: pymongo.MongoClient, collections: Iterable[tuple[str, str]]) -> int:
+        with self.lock:
+            start = max(self.seen + 1, FIRST_POSITION)
+            newest = self.seen
+            for database, collection in collections:
+                with client[database][collection].watch(start_at_operation_time=timestamp_of(start)) as stream:
+                    while (event := stream.try_next()) is not None:
+                        newest = max(newest, position_of(event["clusterTime"]))
+            self.seen = newest
+            return newest
+
+    def note(self, position: int) -> None:
+        with self.lock:
+            self.seen = max(self.seen, position)
+
+
+def operation_time(client: pymongo.MongoClient) -> int | None:
+    """The cluster time of a ``ping`` reply (a causally consistent session's ``operation_time``), or None."""
+    with client.start_session(causal_consistency=True) as session:
+        client.admin.command("ping", session=session)
+        ts = session.operation_time
+    return None if ts is None else position_of(ts)
+
+
+def current_position(
+    client: pymongo.MongoClient, capabilities: Capabilities, latest: LatestEvent, collections: Iterable[tuple[str, str]]
+) -> int:
+    if capabilities.cluster_time:
+        found = operation_time(client)
+        if found is not None:
+            latest.note(found)
+            return found
+    return latest.advance(client, collections)
+
+
+def is_write(command_name: str) -> bool:
+    return command_name.lower() in WRITE_COMMANDS
+
+
+def read_audit(path: str | Path) -> list[str]:
+    file = Path(path)
+    return [line.split(" ", 1)[1] for line in file.read_text().splitlines()] if file.exists() else []

@@ -1,0 +1,373 @@
+"""``MongoDialect``: what MongoDB answers to the generic pipeline (``cdc_assets.dialect.SourceDialect``).
+
+Contract:
+- Read-only: every client is ``client.connect``'s (read concern ``majority``); nothing here sends a write command,
+  and MongoDB keeps no state for us (no slot): ``acknowledge`` tells the server nothing.
+- ``discover()``: the captured collections (``catalog.discover``). It also fixes where the stream starts when no
+  offset is recorded yet: the current position, stored once in the lake's control folder
+  (``_cdc/mongodb_stream_start.json``; first writer wins), so every snapshot window opens after it and the first
+  batch reads every event after it (nothing is missed; see docs/mongodb.md).
+- ``window()``: a session whose low watermark is the current position (``client.current_position``) with its
+  decimal text, and whose high watermark is the current position after the reads. Chunk reads run in Spark tasks
+  (``snapshot.chunk_stager``, one per chunk), each staging one file; a fill window reads by key in the driver.
+- ``read_batch`` is ``stream.read_batch`` from the recorded offset's position + 1 (no offset: the stored start + 1),
+  spilled as one Parquet file per collection. The offset has Debezium's MongoDB fields ``sec`` and ``ord`` (the
+  applied position's cluster time: every event at or before it is applied) and ``resume_token`` (the token of the
+  last applied event, the test server's form of the position when none is known), plus ``position``.
+  ``position(offset)`` is ``(sec << 32) | ord``.
+- ``validate_offset``: exactly one of ``resume_token`` (its cluster time is the position) or ``timestamp`` (``SEC``
+  or ``SEC:ORD``: changes after that cluster time are streamed); it must parse and not be after the server's current
+  position; errors name the field and the allowed forms.
+- ``pending`` / ``lag``: the current position against the last acknowledged one (kept in
+  ``_cdc/mongodb_acknowledged.json``, since the server keeps none): events wait when the current position is past it.
+  On the test server a new dialect object starts looking for the newest event from the stored stream start or
+  acknowledged position (each was the newest event some process had seen, or before it), not from the oplog's start.
+- Connection failures raise ``SourceError`` with the connection string redacted (``client.source_error``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import pymongo
+from pymongo import monitoring
+from pymongo.errors import PyMongoError
+
+from cdc_assets.config import MongoConnection, SourceConfig
+from cdc_assets.dialect import ChangeBatch, Offset, OffsetError, TableChanges
+from cdc_assets.engine.chunks import Chunk, ChunkPlan
+from cdc_assets.engine.windows import FILL_CHUNK
+from cdc_assets.lake import staging
+from cdc_assets.lake.schema import spark_fields
+from cdc_assets.source import PermanentBatchError, SourceLag
+from cdc_assets.sources.mongodb import catalog, snapshot, stream
+from cdc_assets.sources.mongodb import client as clients
+from cdc_assets.sources.mongodb.catalog import ARROW_SCHEMA, COLUMNS, CapturedCollection, SkippedCollection
+from cdc_assets.sources.mongodb.consistency import MongoCheckSession
+from cdc_assets.sources.mongodb.watermark import (
+    TIMESTAMP_FORMS,
+    TOKEN_FORMS,
+    MongoSettledRule,
+    format_position,
+    parse_timestamp,
+    timestamp_of,
+    token_position,
+)
+
+if TYPE_CHECKING:
+    from pyspark.sql import DataFrame, SparkSession
+    from pyspark.sql import types as T
+
+SETTLED_RULE = MongoSettledRule()
+START_FILE = "mongodb_stream_start.json"
+ACKNOWLEDGED_FILE = "mongodb_acknowledged.json"
+
+
+def _write_once(path: Path, data: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_name(f".{path.name}.{uuid.uuid4().hex}")
+    temporary.write_text(json.dumps(data))
+    try:
+        os.link(temporary, path)  # first writer wins
+    except FileExistsError:
+        pass
+    finally:
+        temporary.unlink(missing_ok=True)
+
+
+def _replace(path: Path, data: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_name(f".{path.name}.{uuid.uuid4().hex}")
+    temporary.write_text(json.dumps(data))
+    os.replace(temporary, path)
+
+
+def _read_position(path: Path) -> int | None:
+    try:
+        return int(json.loads(path.read_text())["position"])
+    except (FileNotFoundError, ValueError, KeyError, TypeError):
+        return None
+
+
+class MongoWindow:
+    """A watermark window's session (``WindowSession``)."""
+
+    def __init__(self, dialect: MongoDialect) -> None:
+        self.dialect = dialect
+        self.low = 0
+
+    def low_watermark(self) -> tuple[int, str]:
+        self.low = self.dialect.current_position()
+        return self.low, str(self.low)
+
+    def high_watermark(self) -> int:
+        return self.dialect.current_position()
+
+    def stage_chunks(
+        self, spark: SparkSession, table: CapturedCollection, chunks: Sequence[Chunk], staging_path: str, attempt: str
+    ) -> dict[int, int]:
+        dialect = self.dialect
+        ranges = [(c.index, None if c.lo is None else c.lo[0], None if c.hi is None else c.hi[0]) for c in chunks]
+        stager = snapshot.chunk_stager(
+            dialect.connection, table, staging_path, attempt, self.low, dialect.capabilities.cluster_time,
+            dialect.listeners,
+        )  # fmt: skip
+        frame = spark.createDataFrame(ranges, "chunk int, lo string, hi string").repartition(len(ranges))
+        counts = dict.fromkeys((c.index for c in chunks), 0)
+        try:
+            for row in frame.mapInArrow(stager, "chunk int, rows long").collect():
+                counts[row["chunk"]] += row["rows"]
+        except Exception as error:
+            if "ServerSelectionTimeoutError" in str(error) or "AutoReconnect" in str(error):
+                raise clients.source_error(error, dialect.connection, f"reading {table.qualified_name}") from None
+            raise
+        return counts
+
+    def stage_rows_by_key(
+        self, table: CapturedCollection, keys: Sequence[tuple], staging_path: str, attempt: str
+    ) -> int:
+        dialect = self.dialect
+        parts = snapshot.rows_by_key(dialect.client, table, keys, self.low, dialect.capabilities.cluster_time)
+        return staging.write_part(staging_path, attempt, FILL_CHUNK, 0, parts, ARROW_SCHEMA)
+
+
+def _reader(path: Path):
+    def frame(spark: SparkSession) -> DataFrame:
+        return spark.read.parquet(str(path))
+
+    return frame
+
+
+class MongoDialect:
+    settled_rule = SETTLED_RULE
+
+    def __init__(
+        self, source: SourceConfig, control: str | os.PathLike[str],
+        listeners: Sequence[monitoring.CommandListener] = (),
+    ) -> None:  # fmt: skip
+        if not isinstance(source.connection, MongoConnection):
+            raise TypeError(f"source {source.name!r} is not a MongoDB source")
+        self.source = source
+        self.connection: MongoConnection = source.connection
+        self.control = Path(control)
+        self.listeners = tuple(listeners)
+        self.full_document = source.mongodb.full_document if source.mongodb is not None else "updateLookup"
+        self._client: pymongo.MongoClient | None = None
+        self._capabilities: clients.Capabilities | None = None
+        self._tables: list[CapturedCollection] | None = None
+        self.latest = clients.LatestEvent()
+        self._seeded = False
+
+    # -- connection ------------------------------------------------------------------------------------------
+    @property
+    def client(self) -> pymongo.MongoClient:
+        if self._client is None:
+            self._client = clients.connect(self.connection, self.listeners)
+        return self._client
+
+    @property
+    def capabilities(self) -> clients.Capabilities:
+        if self._capabilities is None:
+            self._capabilities = self._call("asking the server what it is", self._ask_capabilities)
+        return self._capabilities
+
+    def _ask_capabilities(self) -> clients.Capabilities:
+        return clients.Capabilities.of(self.client)
+
+    def _call(self, doing: str, action):
+        try:
+            return action()
+        except PyMongoError as error:
+            raise clients.source_error(error, self.connection, doing) from None
+
+    def close(self) -> None:
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+
+    def describe(self) -> str:
+        return f"the change streams of MongoDB at {self.connection.describe()}"
+
+    def _captured(self) -> list[CapturedCollection]:
+        if self._tables is None:
+            self._tables = self.discover()[0]
+        return self._tables
+
+    def current_position(self) -> int:
+        capabilities = self.capabilities
+        namespaces = [t.namespace for t in self._captured()]
+        if not self._seeded:  # every event at or before a stored position was seen by the process that stored it
+            for name in (START_FILE, ACKNOWLEDGED_FILE):
+                stored = _read_position(self.control / name)
+                if stored is not None:
+                    self.latest.note(stored)
+            self._seeded = True
+        return self._call(
+            "reading the current cluster time",
+            lambda: clients.current_position(self.client, capabilities, self.latest, namespaces),
+        )
+
+    # -- tables ----------------------------------------------------------------------------------------------
+    def discover(self) -> tuple[list[CapturedCollection], list[SkippedCollection]]:
+        tables, skipped = self._call("listing collections", lambda: catalog.discover(self.client, self.source))
+        self._tables = tables
+        if _read_position(self.control / START_FILE) is None:
+            position = self.current_position()
+            _write_once(self.control / START_FILE, {"position": position, "at": datetime.now(UTC).isoformat()})
+        return tables, skipped
+
+    def stream_start(self) -> int:
+        position = _read_position(self.control / START_FILE)
+        if position is None:
+            self.discover()
+            position = _read_position(self.control / START_FILE)
+        assert position is not None
+        return position
+
+    def plan_chunks(self, table: CapturedCollection) -> ChunkPlan:
+        return self._call(
+            f"planning chunks of {table.qualified_name}",
+            lambda: snapshot.plan_chunks(self.client, table, self._chunk_size(table)),
+        )
+
+    def _chunk_size(self, table: CapturedCollection) -> int:
+        for configured in self.source.tables:
+            if (configured.schema, configured.name) == table.namespace and configured.chunk_size:
+                return configured.chunk_size
+        return self.source.chunk_size
+
+    @contextmanager
+    def window(self) -> Iterator[MongoWindow]:
+        yield MongoWindow(self)
+
+    # -- stream ----------------------------------------------------------------------------------------------
+    def read_batch(
+        self, recorded: Offset | None, tables: Mapping[str, CapturedCollection], spill_dir: Path, max_changes: int,
+        max_bytes: int,
+    ) -> ChangeBatch:  # fmt: skip
+        after = self.stream_start() if recorded is None else self.position(recorded)
+        capabilities = self.capabilities
+        batch = self._call(
+            "reading the change streams",
+            lambda: stream.read_batch(
+                self.client, capabilities, self.latest, list(tables.values()), after + 1, max_changes, max_bytes,
+                self.full_document,
+            ),
+        )  # fmt: skip
+        written = stream.spill(batch.rows, spill_dir)
+        changes = {
+            name: TableChanges(changes=count, bytes=size, parts=1, frame=_reader(path))
+            for name, (path, count, size) in written.items()
+        }
+        token = batch.last_token
+        if token is None or token_position(token) != batch.applied:
+            if not capabilities.cluster_time:
+                token = f"{timestamp_of(batch.applied).time:08x}{timestamp_of(batch.applied).inc:08x}"
+            elif token is None and recorded is not None:
+                token = recorded.get("resume_token")  # type: ignore[assignment]
+        applied = timestamp_of(batch.applied)
+        return ChangeBatch(
+            applied=batch.applied,
+            offset={"sec": applied.time, "ord": applied.inc, "resume_token": token},
+            tables=changes,
+            changes=batch.changes,
+            transactions=batch.groups,
+            bytes=batch.bytes,
+            cut=batch.cut,
+            last_commit_ts=batch.last_ts,
+            lag_bytes=batch.waiting,
+        )
+
+    def position(self, offset: Offset) -> int:
+        try:
+            return (int(str(offset["sec"])) << 32) | int(str(offset["ord"]))
+        except (KeyError, ValueError) as error:
+            raise OffsetError(f"a MongoDB offset needs integer fields sec and ord: {error}") from None
+
+    def format_position(self, position: int) -> str:
+        return format_position(position)
+
+    def acknowledge(self, offset: Offset) -> int:
+        """MongoDB keeps nothing for us: only remember the position (for ``pending``/``lag`` of other processes)."""
+        position = self.position(offset)
+        known = _read_position(self.control / ACKNOWLEDGED_FILE)
+        if known is None or position > known:
+            _replace(self.control / ACKNOWLEDGED_FILE, {"position": position})
+            return position
+        return known
+
+    def validate_offset(self, requested: Mapping[str, str]) -> dict[str, object]:
+        given = sorted(k for k in requested if k in ("resume_token", "timestamp"))
+        unknown = sorted(set(requested) - {"resume_token", "timestamp"})
+        if unknown or len(given) != 1:
+            raise OffsetError(
+                f"source {self.source.name!r}: a MongoDB offset takes exactly one of resume_token ({TOKEN_FORMS}) "
+                f"or timestamp ({TIMESTAMP_FORMS})" + (f"; unknown: {', '.join(unknown)}" if unknown else "")
+            )
+        field = given[0]
+        text = str(requested[field])
+        try:
+            position = token_position(text) if field == "resume_token" else parse_timestamp(text)
+        except ValueError as error:
+            raise OffsetError(f"{field}: {error}") from None
+        current = self.current_position()
+        now = int(datetime.now(UTC).timestamp())
+        if position > current or timestamp_of(position).time > now:
+            raise OffsetError(
+                f"{field}: {text!r} is cluster time {format_position(position)}, in the future: the server is at "
+                f"{format_position(current)}; allowed: a cluster time at or before it"
+            )
+        at = timestamp_of(position)
+        token = text if field == "resume_token" else None
+        return {"sec": at.time, "ord": at.inc, "resume_token": token}
+
+    def pending(self, lag: SourceLag | None) -> tuple[str | None, int]:
+        current = self.current_position()
+        if lag is None:
+            acknowledged = _read_position(self.control / ACKNOWLEDGED_FILE)
+            waiting = current > (acknowledged if acknowledged is not None else self.stream_start())
+        else:
+            waiting = lag.changes_waiting
+        return ("change events wait after the recorded position" if waiting else None), current
+
+    def lag(self) -> SourceLag:
+        current = self.current_position()
+        acknowledged = _read_position(self.control / ACKNOWLEDGED_FILE)
+        behind = acknowledged if acknowledged is not None else self.stream_start()
+        seconds = 0.0
+        if current > behind:
+            seconds = max(0.0, datetime.now(UTC).timestamp() - timestamp_of(behind).time)
+        return SourceLag(0, seconds if current > behind else 0.0, current > behind)
+
+    def spark_fields(self, table: CapturedCollection, added: Sequence[object] = ()) -> list[T.StructField]:
+        return spark_fields(ARROW_SCHEMA)
+
+    def column_names(self, table: CapturedCollection) -> list[str]:
+        return list(COLUMNS)
+
+    def partitions(self, table: CapturedCollection) -> list[str]:
+        return []
+
+    def filled_without_changes(self, table: CapturedCollection, names: Sequence[str]) -> list[str]:
+        return []
+
+    @contextmanager
+    def check_session(self) -> Iterator[MongoCheckSession]:
+        def read(table: CapturedCollection, lo: str | None, hi: str | None, low: int) -> list[dict[str, Any]]:
+            parts = self._call(
+                f"reading {table.qualified_name} for a consistency check",
+                lambda: list(snapshot.read_chunk(self.client, table, lo, hi, low, self.capabilities.cluster_time)),
+            )
+            return [row for part in parts for row in part.to_pylist()]
+
+        yield MongoCheckSession(self.current_position, read)
+
+    def is_permanent(self, error: BaseException) -> bool:
+        return isinstance(error, PermanentBatchError)

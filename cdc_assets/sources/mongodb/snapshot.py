@@ -1,0 +1,133 @@
+"""Chunks of a collection over ``_id`` and their reads.
+
+Contract:
+- ``plan_chunks(client, collection, chunk_size)``: one chunk when the collection holds at most ``chunk_size``
+  documents (its estimated count); else boundaries from ``splitVector`` (``maxChunkObjects`` = ``chunk_size``) where
+  the user may run it, else from sampling: ``$sample`` of about 20 ids per chunk, sorted by ``bson_order.sort_key``,
+  every N-th one a boundary. Bounds are ``(<hex of sort_key(_id)>,)``: the lake's ``_id_key`` values, so a chunk
+  is the same range in the source's BSON order and in Spark's string order. The last chunk is open-ended.
+- ``read_chunk(client, collection, lo, hi, low_watermark, cluster_time)`` yields the documents of ``[lo, hi)`` as
+  Arrow tables of ``catalog.ARROW_SCHEMA`` (at most ``BATCH_ROWS`` rows each). It reads every document of the
+  collection with read concern ``majority`` (on a server that keeps cluster times in a causally consistent session
+  after the low watermark: ``afterClusterTime``, so the read sees every event at or before it) and keeps those whose
+  ``_id_key`` is in the range. Why not a range query: a ``$gte``/``$lt`` on ``_id`` matches only the bound's type
+  (type bracketing), ``min()``/``max()`` are ignored by the test server, and the test server's order differs from
+  MongoDB's for a few values (docs/mongodb.md); filtering by the key in the reader loses no type. The cost: each
+  chunk's read scans the collection (chunks read in parallel tasks each scan it once).
+- ``chunk_stager(...)`` is the ``mapInArrow`` function of a window's chunk reads: one task per chunk, each with its
+  own client (the connection string travels in the task's closure, never in a log), writing one staged file
+  (``cdc_assets.lake.staging.write_part``) and yielding ``(chunk, rows)``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import pyarrow as pa
+import pymongo
+from pymongo import monitoring
+from pymongo.errors import OperationFailure
+
+from cdc_assets.config import MongoConnection
+from cdc_assets.engine.chunks import ChunkPlan, chunks_from_boundaries
+from cdc_assets.lake import staging
+from cdc_assets.sources.mongodb import client as clients
+from cdc_assets.sources.mongodb.bson_order import sort_key
+from cdc_assets.sources.mongodb.catalog import ARROW_SCHEMA, CapturedCollection, document_row, rows_table
+from cdc_assets.sources.mongodb.watermark import timestamp_of
+
+BATCH_ROWS = 1000
+SAMPLES_PER_CHUNK = 20
+
+
+def plan_chunks(client: pymongo.MongoClient, table: CapturedCollection, chunk_size: int) -> ChunkPlan:
+    collection = client[table.database][table.collection]
+    count = collection.estimated_document_count()
+    if count <= chunk_size:
+        return ChunkPlan(table.qualified_name, table.key_columns, chunks_from_boundaries([]))
+    ids = _split_vector(client, table, chunk_size)
+    if ids is None:
+        chunks = math.ceil(count / chunk_size)
+        pipeline = [{"$sample": {"size": chunks * SAMPLES_PER_CHUNK}}, {"$project": {"_id": 1}}]
+        sample = list(collection.aggregate(pipeline))
+        keys = sorted({sort_key(d["_id"]) for d in sample})
+        step = max(1, len(keys) // chunks)
+        ids_keys = keys[step::step][: chunks - 1]
+    else:
+        ids_keys = sorted({sort_key(i) for i in ids})
+    boundaries = [(k.hex(),) for k in ids_keys]
+    return ChunkPlan(table.qualified_name, table.key_columns, chunks_from_boundaries(boundaries))
+
+
+def _split_vector(client: pymongo.MongoClient, table: CapturedCollection, chunk_size: int) -> list[Any] | None:
+    """``splitVector``'s split points, or None where the server or the user's role does not allow it."""
+    try:
+        reply = client[table.database].command(
+            "splitVector", f"{table.database}.{table.collection}", keyPattern={"_id": 1}, maxChunkObjects=chunk_size,
+        )  # fmt: skip
+    except OperationFailure:
+        return None
+    return [key["_id"] for key in reply.get("splitKeys", [])]
+
+
+def in_range(key: str, lo: str | None, hi: str | None) -> bool:
+    return (lo is None or key >= lo) and (hi is None or key < hi)
+
+
+def read_chunk(
+    client: pymongo.MongoClient, table: CapturedCollection, lo: str | None, hi: str | None, low_watermark: int,
+    cluster_time: bool,
+) -> Iterator[pa.Table]:  # fmt: skip
+    collection = client[table.database][table.collection]
+    session = client.start_session(causal_consistency=True) if cluster_time else None
+    try:
+        if session is not None:
+            session.advance_operation_time(timestamp_of(low_watermark))
+        rows: list[dict[str, Any]] = []
+        for document in collection.find({}, session=session, batch_size=BATCH_ROWS):
+            row = document_row(document)
+            if in_range(row["_id_key"], lo, hi):
+                rows.append(row)
+                if len(rows) >= BATCH_ROWS:
+                    yield rows_table(rows)
+                    rows = []
+        yield rows_table(rows)
+    finally:
+        if session is not None:
+            session.end_session()
+
+
+def rows_by_key(
+    client: pymongo.MongoClient,
+    table: CapturedCollection,
+    keys: Sequence[tuple],
+    low_watermark: int,
+    cluster_time: bool,
+) -> Iterator[pa.Table]:
+    """The documents whose ``_id_key`` is one of ``keys`` (a fill window's read; the same full scan)."""
+    wanted = {str(k[0]) for k in keys}
+    for part in read_chunk(client, table, None, None, low_watermark, cluster_time):
+        mask = pa.array([key in wanted for key in part.column("_id_key").to_pylist()], pa.bool_())
+        yield part.filter(mask)
+
+
+def chunk_stager(
+    connection: MongoConnection, table: CapturedCollection, staging_path: str, attempt: str, low_watermark: int,
+    cluster_time: bool, listeners: Sequence[monitoring.CommandListener],
+):  # fmt: skip
+    def read(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        client = clients.connect(connection, listeners)
+        try:
+            for batch in batches:
+                for item in batch.to_pylist():
+                    tables = read_chunk(client, table, item["lo"], item["hi"], low_watermark, cluster_time)
+                    rows = staging.write_part(staging_path, attempt, item["chunk"], 0, tables, ARROW_SCHEMA)
+                    yield pa.RecordBatch.from_arrays(
+                        [pa.array([item["chunk"]], pa.int32()), pa.array([rows], pa.int64())], names=["chunk", "rows"]
+                    )
+        finally:
+            client.close()
+
+    return read

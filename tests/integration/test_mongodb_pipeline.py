@@ -1,0 +1,452 @@
+"""The MongoDB source through the generic pipeline (``CdcPipeline`` over ``MongoDialect``): the MongoDB test server
+(mongo-java-server, ``mongo_server``), real Spark and Delta.
+
+- Every chunk of a collection with mixed ``_id`` types (ints, longs, doubles, strings, ObjectIds, dates, binary,
+  subdocuments) is snapshotted while a writer thread inserts, updates (``$set``, ``$unset``, ``$inc``, ``$push``,
+  ``$pull``), replaces, deletes and re-inserts deleted ids; runs are killed at the pipeline's fault points (an
+  exception no ``except Exception`` catches, as in ``tests/test_pipeline.py``) and run again; a batch killed after
+  its lake commit is re-run from the offset recorded before it. After catch-up the mirror holds exactly the
+  collection (canonical extended JSON per ``_id``), no event is twice in the changelog, and a pymongo command
+  listener on every client of the pipeline (the driver's and the Spark tasks') saw no write command.
+- An idle collection's chunk is reconciled by a batch that reads no event (no write to the source at all); then
+  ``updateLookup`` documents newer than their event or gone (updated then deleted, deleted and inserted again) are
+  applied in one batch and the mirror is exact; the consistency check matches, and finds a document changed in the
+  mirror behind the stream's back.
+- The same comparison fails with a broken settled rule (every event settled): a document deleted after the read
+  comes back.
+- Bad input: an unreachable server, a missing collection, an unparsable resume token, a timestamp in the future, a
+  collection dropped while streaming: each a clear message; the drop moves no offset and applies nothing.
+- The gated variant runs the main scenario against a real replica set (``$CDC_TEST_MONGODB_URI``).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import random
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pymongo
+import pytest
+from bson.binary import Binary
+from bson.int64 import Int64
+from bson.objectid import ObjectId
+from bson.timestamp import Timestamp
+from delta.tables import DeltaTable
+from pyspark.sql import functions as F
+
+import cdc_assets.lake.watermark_window as watermark_window_module
+import cdc_assets.pipeline as pipeline_module
+from cdc_assets.config import CdcConfig, SourceConfig, parse_config
+from cdc_assets.dialect import Offset, OffsetError
+from cdc_assets.pipeline import CdcPipeline
+from cdc_assets.source import PermanentBatchError, SourceError
+from cdc_assets.sources.mongodb.bson_order import canonical_json, from_canonical_json
+from cdc_assets.sources.mongodb.catalog import CapturedCollection, id_key
+from cdc_assets.sources.mongodb.client import CommandAudit, is_write, read_audit
+from cdc_assets.sources.mongodb.dialect import MongoDialect, MongoWindow
+from cdc_assets.sources.mongodb.watermark import MongoSettledRule
+
+KILLS = ("snapshot.before_window_record", "stream.after_changelog", "stream.after_merge", "stream.after_lake_commit")
+
+
+class Killed(BaseException):
+    """The process died at a fault point."""
+
+
+class FaultPoints:
+    def __init__(self) -> None:
+        self.armed: set[str] = set()
+        self.fired: list[str] = []
+
+    def __call__(self, name: str) -> None:
+        if name in self.armed:
+            self.armed.discard(name)
+            self.fired.append(name)
+            raise Killed(name)
+
+
+@pytest.fixture()
+def faults(monkeypatch: pytest.MonkeyPatch) -> FaultPoints:
+    points = FaultPoints()
+    monkeypatch.setattr(pipeline_module, "fault_point", points)
+    monkeypatch.setattr(watermark_window_module, "fault_point", points)
+    return points
+
+
+@pytest.fixture()
+def database_name(mongo_server: str) -> Iterator[str]:
+    name = f"cdc_{uuid.uuid4().hex[:10]}"
+    yield name
+    with pymongo.MongoClient(mongo_server) as client:
+        client.drop_database(name)
+
+
+def source_config(
+    uri: str, lake_root: Path, database: str, chunk_size: int, max_changes: int = 500, timeout_ms: int = 3000,
+    **extra: Any,
+) -> tuple[CdcConfig, SourceConfig]:  # fmt: skip
+    raw = {
+        "lake_root": str(lake_root),
+        "sources": [{
+            "name": "docs", "kind": "mongodb",
+            "connection": {"uri": "${CDC_TEST_URI}", "server_selection_timeout_ms": timeout_ms,
+                           "connect_timeout_ms": timeout_ms},
+            "include": [f"{database}.*"], "mongodb": {"databases": [database]}, "chunk_size": chunk_size,
+            "stream": {"max_changes": max_changes}, **extra,
+        }],
+    }  # fmt: skip
+    config = parse_config(raw, lake_root, {"CDC_TEST_URI": uri})
+    return config, config.source("docs")
+
+
+ID_KINDS = [
+    lambda i: i,
+    lambda i: Int64(10**12 + i),
+    lambda i: i + 0.5,
+    lambda i: f"s{i:06d}",
+    lambda i: ObjectId(f"{i:024x}"),
+    lambda i: dt.datetime(2001, 1, 1) + dt.timedelta(minutes=i),
+    lambda i: Binary(i.to_bytes(4, "big"), 0),
+    lambda i: {"k": i, "t": "sub"},
+    lambda i: -i - 1,
+]
+
+
+def mixed_id(i: int) -> Any:
+    """The ``i``-th of distinct ``_id``s of many BSON types (numbers distinct as MongoDB compares them)."""
+    return ID_KINDS[i % len(ID_KINDS)](i)
+
+
+class Writer:
+    """Random writes to one collection: inserts of new ids, updates with ``$set``/``$unset``/``$inc``/``$push``/
+    ``$pull``, replaces, deletes and re-inserts of deleted ids (of every type)."""
+
+    def __init__(self, collection: pymongo.collection.Collection, ids: list[Any], seed: int) -> None:
+        self.collection = collection
+        self.rng = random.Random(seed)
+        self.live = list(ids)
+        self.deleted: list[Any] = []
+        self.next = 100_000
+        self.writes = 0
+
+    def write(self) -> None:
+        rng, collection = self.rng, self.collection
+        kind = rng.random()
+        if kind < 0.1 or not self.live:
+            new = mixed_id(self.next + rng.randrange(len(ID_KINDS)))
+            self.next += len(ID_KINDS)
+            collection.insert_one({"_id": new, "v": 0, "tags": []})
+            self.live.append(new)
+        elif kind < 0.55:
+            key = rng.choice(self.live)
+            update = rng.choice([
+                {"$set": {"v": rng.randint(0, 999), f"f{rng.randint(0, 3)}": rng.random()}},
+                {"$unset": {"v": ""}},
+                {"$inc": {"n": rng.choice([1, Int64(2), 0.5])}},
+                {"$push": {"tags": rng.choice(["a", "b", 3])}},
+                {"$pull": {"tags": "a"}},
+                {"$set": {"nested.deep": {"when": dt.datetime(2020, 1, 1), "bin": Binary(b"\x01\x02", 0)}}},
+            ])  # fmt: skip
+            collection.update_one({"_id": key}, update)
+        elif kind < 0.7:
+            key = rng.choice(self.live)
+            collection.replace_one({"_id": key}, {"replaced": rng.randint(0, 10**6), "long": Int64(7)})
+        elif kind < 0.85:
+            key = self.live.pop(rng.randrange(len(self.live)))
+            collection.delete_one({"_id": key})
+            self.deleted.append(key)
+        elif self.deleted:
+            key = self.deleted.pop(0)
+            collection.insert_one({"_id": key, "again": True, "v": 1.0})
+            self.live.append(key)
+        self.writes += 1
+
+
+class BackgroundWriter:
+    def __init__(self, writer: Writer, pause: float = 0.05) -> None:
+        self.writer, self.pause = writer, pause
+        self.stop_flag = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.error: BaseException | None = None
+
+    def _run(self) -> None:
+        try:
+            while not self.stop_flag.is_set():
+                self.writer.write()
+                time.sleep(self.pause)
+        except BaseException as error:  # reported by stop()
+            self.error = error
+
+    def __enter__(self) -> BackgroundWriter:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop_flag.set()
+        self.thread.join(30)
+        if self.error is not None:
+            raise self.error
+
+
+class Stream:
+    """The stream asset's loop: batch, record the offset, acknowledge."""
+
+    def __init__(self, pipeline: CdcPipeline, spark) -> None:
+        self.pipeline, self.spark = pipeline, spark
+        self.recorded: Offset | None = None
+        self.batches = 0
+
+    def batch(self, acknowledge: bool = True):
+        self.batches += 1
+        try:
+            report = self.pipeline.stream_batch(self.spark, self.recorded, f"b{self.batches}")
+        except Killed:
+            return None  # the offset was not recorded: the next batch starts from the same one
+        self.recorded = report.offset
+        if acknowledge:
+            self.pipeline.acknowledge(report.offset)
+        return report
+
+    def catch_up(self, rounds: int = 20) -> None:
+        for _ in range(rounds):
+            report = self.batch()
+            if report is not None and report.changes == 0 and report.waiting_windows == 0 and report.lag_bytes == 0:
+                return
+        raise AssertionError(f"no catch-up in {rounds} batches")
+
+
+def assert_exact(spark, pipeline: CdcPipeline, collection: pymongo.collection.Collection) -> None:
+    table = pipeline.tables[CapturedCollection(collection.database.name, collection.name).qualified_name]
+    expected = {id_key(d["_id"]): canonical_json(d) for d in collection.find()}
+    mirror = spark.read.format("delta").load(pipeline.lake.table(table.qualified_name).mirror)
+    assert mirror.where(F.col("_cdc_unknown").isNotNull()).count() == 0
+    actual = {r["_id_key"]: r["document"] for r in mirror.select("_id_key", "document").collect()}
+    missing = sorted(set(expected) - set(actual))[:3]
+    extra = sorted(set(actual) - set(expected))[:3]
+    different = [(expected[k], actual[k]) for k in sorted(set(expected) & set(actual)) if expected[k] != actual[k]][:3]
+    assert not (missing or extra or different), (table.qualified_name, missing, extra, different)
+    ids = {r["_id_key"]: r["_id"] for r in mirror.select("_id_key", "_id").collect()}
+    assert all(id_key(from_canonical_json(text)) == key for key, text in ids.items())
+    changelog_path = pipeline.lake.table(table.qualified_name).changelog
+    if Path(changelog_path).exists():  # no event yet: no changelog
+        changelog = spark.read.format("delta").load(changelog_path)
+        assert changelog.groupBy("_cdc_position", "_cdc_seq").count().where("count > 1").count() == 0
+
+
+def run_main_scenario(spark, uri: str, database: str, tmp_path: Path, faults: FaultPoints) -> None:
+    with pymongo.MongoClient(uri) as client:
+        items = client[database]["items"]
+        ids = [mixed_id(i) for i in range(200)]
+        items.insert_many([{"_id": i, "v": n, "tags": ["a"], "long": Int64(n)} for n, i in enumerate(ids)])
+        audit = tmp_path / "commands.log"
+        config, source = source_config(uri, tmp_path / "lake", database, chunk_size=50, max_changes=400)
+        dialect = MongoDialect(source, tmp_path / "lake" / "docs" / "_cdc", listeners=[CommandAudit(str(audit))])
+        pipeline = CdcPipeline(config, source, dialect)
+        table = pipeline.prepare()[CapturedCollection(database, "items").qualified_name]
+        plan = pipeline.plan(table)
+        assert len(plan.chunks) >= 4  # sampled boundaries: several chunks over the mixed types
+        writer = Writer(items, ids, seed=5)
+        stream = Stream(pipeline, spark)
+        kills = iter(KILLS)
+        with BackgroundWriter(writer):
+            for start in range(0, len(plan.chunks), 2):
+                window = list(range(start, min(start + 2, len(plan.chunks))))
+                kill = next(kills, None)
+                if kill is not None:
+                    faults.armed.add(kill)
+                try:
+                    pipeline.snapshot(spark, table, window, f"s{start}")
+                except Killed:
+                    pipeline.snapshot(spark, table, window, f"s{start}-rerun")  # the run is retried
+                stream.batch()
+            for kill in kills:  # the kills no snapshot window took: fired by the next batches
+                faults.armed.add(kill)
+                while kill in faults.armed:
+                    stream.batch()
+        assert set(faults.fired) == set(KILLS), faults.fired
+        # re-inserts of deleted ids (of every type), then catch up
+        for key in writer.deleted[:20]:
+            items.insert_one({"_id": key, "back": True})
+        stream.batch(acknowledge=False)  # recorded, killed before it was acknowledged
+        stream.catch_up()
+        assert writer.writes > 30
+        assert_exact(spark, pipeline, items)
+        windows = spark.read.format("delta").load(pipeline.lake.windows)
+        assert windows.where("event = 'reconciled' and chunk >= 0").select("chunk").distinct().count() == len(
+            plan.chunks
+        )
+        commands = read_audit(audit)
+        assert "find" in commands and "aggregate" in commands  # the listener saw the reads and the streams
+        assert any(line.split()[0] != str(os.getpid()) for line in audit.read_text().splitlines())  # and the tasks'
+        assert not [c for c in commands if is_write(c)], sorted({c for c in commands if is_write(c)})
+        dialect.close()
+
+
+def test_mongodb_collection_mirrored_exactly_under_writes_and_kills(
+    spark, mongo_server: str, database_name: str, tmp_path: Path, faults: FaultPoints
+) -> None:
+    run_main_scenario(spark, mongo_server, database_name, tmp_path, faults)
+
+
+def test_an_idle_collections_chunk_is_reconciled_without_any_write(
+    spark, mongo_server: str, database_name: str, tmp_path: Path
+) -> None:
+    with pymongo.MongoClient(mongo_server) as client:
+        notes = client[database_name]["notes"]
+        notes.insert_many([{"_id": f"n{i}", "text": f"note {i}"} for i in range(40)])
+        config, source = source_config(mongo_server, tmp_path / "lake", database_name, chunk_size=1000)
+        pipeline = CdcPipeline(config, source, MongoDialect(source, tmp_path / "lake" / "docs" / "_cdc"))
+        table = pipeline.prepare()[CapturedCollection(database_name, "notes").qualified_name]
+        report = pipeline.snapshot(spark, table, [0], "idle")
+        assert report.rows == 40
+        assert pipeline.pending_work() == "a chunk window can close"  # nothing waits in the stream, but the window
+        batch = pipeline.stream_batch(spark, None, "only")
+        assert batch.changes == 0 and [r["chunk"] for r in batch.reconciled] == [0] and batch.waiting_windows == 0
+        pipeline.acknowledge(batch.offset)
+        assert pipeline.pending_work() is None
+        assert_exact(spark, pipeline, notes)
+
+        # updateLookup: looked up when read, so newer than its event (n1's first update carries x = 2) or gone
+        # (n2 updated, then deleted: no row for the update; n3 updated, deleted and inserted again: the update carries
+        # the new document); applied in one batch, the mirror still ends exact
+        notes.update_one({"_id": "n1"}, {"$set": {"x": 1}})
+        notes.update_one({"_id": "n1"}, {"$set": {"x": 2}, "$unset": {"text": ""}})
+        notes.update_one({"_id": "n2"}, {"$inc": {"x": 1}})
+        notes.delete_one({"_id": "n2"})
+        notes.update_one({"_id": "n3"}, {"$push": {"tags": "a"}})
+        notes.delete_one({"_id": "n3"})
+        notes.insert_one({"_id": "n3", "again": True})
+        notes.replace_one({"_id": "n4"}, {"replaced": Int64(4)})
+        assert pipeline.pending_work() == "change events wait after the recorded position"
+        batch = pipeline.stream_batch(spark, batch.offset, "lookups")
+        assert batch.changes == 8
+        pipeline.acknowledge(batch.offset)
+        assert pipeline.pending_work() is None
+        assert_exact(spark, pipeline, notes)
+        changelog = spark.read.format("delta").load(pipeline.lake.table(table.qualified_name).changelog)
+        ordered = F.sort_array(F.collect_list(F.struct("_cdc_position", "_cdc_seq", "_cdc_op")))
+        per_id = changelog.groupBy(F.coalesce("after._id", "before._id").alias("_id")).agg(ordered.alias("ops"))
+        ops = {r["_id"]: "".join(op["_cdc_op"] for op in r["ops"]) for r in per_id.collect()}
+        assert ops == {'"n1"': "uu", '"n2"': "d", '"n3"': "udc", '"n4"': "u"}
+
+        # the consistency check (count and checksum of canonical documents on both sides): a match, then a document
+        # changed in the mirror behind the stream's back is found and named
+        (check,) = pipeline.check_chunks(spark, table, [0], wait_seconds=60)
+        assert check.conclusive and check.matches and check.source_rows == 39, check
+        mirror = DeltaTable.forPath(spark, pipeline.lake.table(table.qualified_name).mirror)
+        mirror.update(F.col("_id") == '"n5"', {"document": F.lit('{"_id":"n5","text":"tampered"}')})
+        (check,) = pipeline.check_chunks(spark, table, [0], wait_seconds=60)
+        assert check.conclusive and not check.matches, check
+        difference = check.first_difference or ""
+        assert "tampered" in difference and "n5" in difference and "differing columns: document" in difference, check
+
+
+def test_a_broken_settled_rule_is_caught(
+    spark, mongo_server: str, database_name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A document deleted after the read, before the high watermark: the right rule drops its staged row (the delete
+    is after the low watermark); a rule that calls every event settled upserts it after the stream applied the
+    delete, and the deleted document is back: the comparison of the main scenario fails."""
+    with pymongo.MongoClient(mongo_server) as client:
+        items = client[database_name]["items"]
+        items.insert_many([{"_id": mixed_id(i), "v": i} for i in range(30)])
+        config, source = source_config(mongo_server, tmp_path / "lake", database_name, chunk_size=1000)
+        pipeline = CdcPipeline(config, source, MongoDialect(source, tmp_path / "lake" / "docs" / "_cdc"))
+        table = pipeline.prepare()[CapturedCollection(database_name, "items").qualified_name]
+        monkeypatch.setattr(MongoSettledRule, "unsettled", lambda self: F.lit(False))
+        monkeypatch.setattr(MongoSettledRule, "since_window", lambda self: F.lit(False))
+        high_watermark = MongoWindow.high_watermark
+
+        def delete_then_high_watermark(window: MongoWindow) -> int:
+            items.delete_one({"_id": mixed_id(5)})  # after every read finished
+            return high_watermark(window)
+
+        monkeypatch.setattr(MongoWindow, "high_watermark", delete_then_high_watermark)
+        pipeline.snapshot(spark, table, [0], "only")
+        Stream(pipeline, spark).catch_up()
+        mirror = spark.read.format("delta").load(pipeline.lake.table(table.qualified_name).mirror)
+        assert mirror.where(F.col("_id_key") == id_key(mixed_id(5))).count() == 1  # resurrected
+        with pytest.raises(AssertionError, match=r"items"):
+            assert_exact(spark, pipeline, items)
+
+
+def test_bad_input_gives_clear_messages(spark, mongo_server: str, database_name: str, tmp_path: Path) -> None:
+    # unreachable: a closed port, a short timeout; the credentials of the connection string never appear
+    config, source = source_config(
+        "mongodb://reader:t0psecret@127.0.0.1:9/?directConnection=true", tmp_path / "a", database_name, 10,
+        timeout_ms=300,
+    )  # fmt: skip
+    with pytest.raises(SourceError, match=r"MongoDB at mongodb://\*\*\*@127\.0\.0\.1:9/.*failed") as info:
+        MongoDialect(source, tmp_path / "a").discover()
+    assert "t0psecret" not in str(info.value) and "reader" not in str(info.value)
+
+    with pymongo.MongoClient(mongo_server) as client:
+        client[database_name]["items"].insert_many([{"_id": i} for i in range(5)])
+        # a collection named under tables that does not exist
+        config, source = source_config(mongo_server, tmp_path / "b", database_name, 10,
+                                       tables=[f"{database_name}.missing"])  # fmt: skip
+        with pytest.raises(SourceError, match=rf"collection {database_name}\.missing \(under tables\) does not exist"):
+            MongoDialect(source, tmp_path / "b").discover()
+
+        config, source = source_config(mongo_server, tmp_path / "lake", database_name, 10)
+        pipeline = CdcPipeline(config, source, MongoDialect(source, tmp_path / "lake" / "docs" / "_cdc"))
+        pipeline.prepare()
+        with pytest.raises(OffsetError, match=r"resume_token: not a resume token .*'zz'"):
+            pipeline.validate_offset({"resume_token": "zz"})
+        future = int(time.time()) + 3600
+        with pytest.raises(OffsetError, match=rf"timestamp: '{future}:1' is cluster time {future}:1, in the future"):
+            pipeline.validate_offset({"timestamp": f"{future}:1"})
+        with pytest.raises(OffsetError, match=r"exactly one of resume_token .* or timestamp"):
+            pipeline.validate_offset({"lsn": "0/1"})
+        with client[database_name]["items"].watch(start_at_operation_time=Timestamp(1, 1)) as events:
+            event = events.next()
+        assert pipeline.validate_offset({"resume_token": event["_id"]["_data"]})["sec"] == event["clusterTime"].time
+
+        # dropped while streaming: stops naming it, nothing applied, the offset does not move
+        stream = Stream(pipeline, spark)
+        client[database_name]["items"].insert_one({"_id": 50})
+        assert stream.batch().changes == 1
+        recorded = dict(stream.recorded or {})
+        client[database_name]["items"].insert_one({"_id": 99})
+        client[database_name]["items"].drop()
+        with pytest.raises(PermanentBatchError, match=rf"collection {database_name}\.items .*offset did not move"):
+            stream.batch()
+        assert stream.recorded == recorded
+        mirror = pipeline.lake.table(f"{database_name}.items").mirror
+        assert spark.read.format("delta").load(mirror).where("_id_key = '" + id_key(99) + "'").count() == 0
+
+
+def test_on_a_real_replica_set(spark, real_mongodb: str, tmp_path: Path, faults: FaultPoints) -> None:
+    """Gated (``$CDC_TEST_MONGODB_URI``): the main scenario against a real replica set or ``mongos``."""
+    name = f"cdc_{uuid.uuid4().hex[:10]}"
+    try:
+        run_main_scenario(spark, real_mongodb, name, tmp_path, faults)
+    finally:
+        with pymongo.MongoClient(real_mongodb) as client:
+            client.drop_database(name)
+
+
+def test_discovery_by_patterns_and_names(mongo_server: str, database_name: str, tmp_path: Path) -> None:
+    """No Spark: which collections a source captures, and where its stream starts (stored once)."""
+    with pymongo.MongoClient(mongo_server) as client:
+        for name in ("orders", "order_lines", "tmp_scratch", "audit"):
+            client[database_name][name].insert_one({"_id": 1})
+        _, source = source_config(
+            mongo_server, tmp_path, database_name, 10, include=[f"{database_name}.order*", f"{database_name}.tmp_*"],
+            exclude=[f"{database_name}.tmp_*"], tables=[f"{database_name}.audit"],
+        )  # fmt: skip
+        dialect = MongoDialect(source, tmp_path / "control")
+        tables, skipped = dialect.discover()
+        assert [t.collection for t in tables] == ["audit", "order_lines", "orders"] and not skipped
+        assert all(t.key_columns == ("_id_key",) for t in tables)
+        start = dialect.stream_start()
+        client[database_name]["orders"].insert_one({"_id": 2})
+        assert MongoDialect(source, tmp_path / "control").stream_start() == start  # first writer wins
+        assert dialect.current_position() > start
+        dialect.close()
