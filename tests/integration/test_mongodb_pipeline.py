@@ -450,3 +450,47 @@ def test_discovery_by_patterns_and_names(mongo_server: str, database_name: str, 
         assert MongoDialect(source, tmp_path / "control").stream_start() == start  # first writer wins
         assert dialect.current_position() > start
         dialect.close()
+
+
+def test_the_dagster_glue_runs_a_mongodb_source(
+    spark, mongo_server: str, database_name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same Dagster definitions as for PostgreSQL: a chunk-partitioned asset per collection (its real name in
+    ``mongodb_collection``), the stream asset recording a batch's offset with MongoDB's fields, and the
+    ``change_offset`` job validated by the MongoDB dialect (a timestamp in the future refused naming the field)."""
+    from dagster import DagsterInstance, materialize
+
+    from cdc_assets.assets import recorded_offset, stream_asset_key, table_asset_key
+    from cdc_assets.build import build_definitions
+
+    with pymongo.MongoClient(mongo_server) as client:
+        client[database_name]["orders"].insert_many([{"_id": i, "n": i} for i in range(5)])
+    monkeypatch.setenv("CDC_TEST_URI", mongo_server)
+    path = tmp_path / "cdc.yaml"
+    path.write_text(
+        f"lake_root: {tmp_path / 'lake'}\n"
+        "sources:\n"
+        "  - name: docs\n    kind: mongodb\n    connection: {uri: '${CDC_TEST_URI}'}\n"
+        f"    include: ['{database_name}.*']\n    mongodb: {{databases: [{database_name}]}}\n"
+    )
+    defs = build_definitions(path)
+    table_key = table_asset_key("docs", f"{database_name}.orders")
+    assets = {key: asset for asset in defs.assets for key in asset.keys}
+    assert {table_key, stream_asset_key("docs")} <= set(assets)
+    assert assets[table_key].metadata_by_key[table_key]["mongodb_collection"] == f"{database_name}.orders"
+    instance = DagsterInstance.ephemeral()
+    with pymongo.MongoClient(mongo_server) as client:
+        client[database_name]["orders"].insert_one({"_id": 99, "n": 99})
+    result = materialize([assets[stream_asset_key("docs")]], resources=defs.resources, instance=instance)
+    assert result.success
+    offset = recorded_offset(instance, "docs")
+    assert offset is not None and {"sec", "ord", "resume_token"} <= set(offset)
+    job = defs.get_job_def("docs_change_offset")
+    refused = job.execute_in_process(
+        run_config={"ops": {"docs_record_offset": {"config": {
+            "timestamp": "4102444800", "changed_by": "test", "reason": "the future"}}}},
+        resources=defs.resources, instance=instance, raise_on_error=False,
+    )  # fmt: skip
+    assert not refused.success
+    assert "timestamp" in str(refused.all_events) and "in the future" in str(refused.all_events)
+    assert recorded_offset(instance, "docs") == offset  # nothing moved
