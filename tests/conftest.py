@@ -11,6 +11,7 @@ import pytest
 
 from tests.integration.mongo_support import REAL_MONGODB_URI_ENV, real_mongodb_uri, start_mongo_test_server
 from tests.integration.support import ABSENT_STANDBY, PG_PORT, PG_SOCKET
+from tests.pipeline_support import FaultPoints, arm_faults
 from tests.tools.torture_support import BackgroundRun, start_broken_run, start_faulted_run
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -49,6 +50,12 @@ def broken_torture_run(request: pytest.FixtureRequest) -> BackgroundRun:
 def faulted_torture_run(request: pytest.FixtureRequest) -> BackgroundRun:
     """The background run with faults started at collection."""
     return request.config.stash[FAULTED_TORTURE_RUN]
+
+
+@pytest.fixture()
+def faults(monkeypatch: pytest.MonkeyPatch) -> FaultPoints:
+    """The generic pipeline's fault points "kill" the run in the test's process (``tests/pipeline_support.py``)."""
+    return arm_faults(monkeypatch)
 
 
 @pytest.fixture(scope="session")

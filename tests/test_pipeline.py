@@ -27,42 +27,14 @@ import pytest
 from delta.tables import DeltaTable
 from pyspark.sql import functions as F
 
-import cdc_assets.lake.watermark_window as watermark_window_module
-import cdc_assets.pipeline as pipeline_module
 from cdc_assets.config import CdcConfig, PostgresConnection, SourceConfig, SparkConfig, StreamConfig
-from cdc_assets.dialect import Offset
 from cdc_assets.pipeline import CdcPipeline
 from tests.memory_dialect import MemoryDatabase, MemoryDialect, MemorySettledRule, MemoryTable
+from tests.pipeline_support import FaultPoints, Killed, Stream
 
 ITEMS = MemoryTable("public.items", ("id",), pa.schema([("id", pa.int64()), ("name", pa.string()),
                                                        ("qty", pa.int64())]))  # fmt: skip
 NOTES = MemoryTable("app.notes", ("code",), pa.schema([("code", pa.string()), ("text", pa.string())]))
-
-
-class Killed(BaseException):
-    """The process died at a fault point."""
-
-
-class FaultPoints:
-    """Fault points that "kill" (raise ``Killed``) the next time each listed one is reached."""
-
-    def __init__(self) -> None:
-        self.armed: set[str] = set()
-        self.fired: list[str] = []
-
-    def __call__(self, name: str) -> None:
-        if name in self.armed:
-            self.armed.discard(name)
-            self.fired.append(name)
-            raise Killed(name)
-
-
-@pytest.fixture()
-def faults(monkeypatch: pytest.MonkeyPatch) -> FaultPoints:
-    points = FaultPoints()
-    monkeypatch.setattr(pipeline_module, "fault_point", points)
-    monkeypatch.setattr(watermark_window_module, "fault_point", points)
-    return points
 
 
 def config_for(lake_root: Path, max_changes: int) -> tuple[CdcConfig, SourceConfig]:
@@ -178,33 +150,6 @@ def assert_exact(spark, pipeline: CdcPipeline, database: MemoryDatabase) -> None
         assert twice == 0, f"{table.qualified_name}: changes twice in the changelog"
 
 
-class Stream:
-    """The stream asset's loop: batch, record the offset, acknowledge."""
-
-    def __init__(self, pipeline: CdcPipeline, spark) -> None:
-        self.pipeline, self.spark = pipeline, spark
-        self.recorded: Offset | None = None
-        self.batches = 0
-
-    def batch(self, unacknowledged: bool = False):
-        self.batches += 1
-        try:
-            report = self.pipeline.stream_batch(self.spark, self.recorded, f"b{self.batches}")
-        except Killed:
-            return None  # the offset was not recorded: the next batch starts from the same one
-        self.recorded = report.offset
-        if not unacknowledged:
-            self.pipeline.acknowledge(report.offset)
-        return report
-
-    def catch_up(self, rounds: int = 40) -> None:
-        for _ in range(rounds):
-            report = self.batch()
-            if report is not None and report.changes == 0 and report.waiting_windows == 0 and report.lag_bytes == 0:
-                return
-        raise AssertionError(f"no catch-up in {rounds} batches")
-
-
 def run_scenario(spark, tmp_path: Path, faults: FaultPoints, seed: int) -> tuple[CdcPipeline, MemoryDatabase]:
     database = seeded_database()
     config, source = config_for(tmp_path / "lake", max_changes=30)
@@ -230,7 +175,7 @@ def run_scenario(spark, tmp_path: Path, faults: FaultPoints, seed: int) -> tuple
             writer.write(4)
     assert set(faults.fired) == {"snapshot.before_window_record", "stream.after_changelog", "stream.after_merge",
                                  "stream.after_lake_commit"}, faults.fired  # fmt: skip
-    stream.batch(unacknowledged=True)  # recorded, killed before the source was told
+    stream.batch(acknowledge=False)  # recorded, killed before the source was told
     writer.write(10)
     database.during_read = None
     stream.catch_up()

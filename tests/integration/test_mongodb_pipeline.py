@@ -40,10 +40,8 @@ from bson.timestamp import Timestamp
 from delta.tables import DeltaTable
 from pyspark.sql import functions as F
 
-import cdc_assets.lake.watermark_window as watermark_window_module
-import cdc_assets.pipeline as pipeline_module
 from cdc_assets.config import CdcConfig, SourceConfig, parse_config
-from cdc_assets.dialect import Offset, OffsetError
+from cdc_assets.dialect import OffsetError
 from cdc_assets.pipeline import CdcPipeline
 from cdc_assets.source import PermanentBatchError, SourceError
 from cdc_assets.sources.mongodb.bson_order import canonical_json, from_canonical_json
@@ -51,32 +49,7 @@ from cdc_assets.sources.mongodb.catalog import CapturedCollection, id_key
 from cdc_assets.sources.mongodb.client import CommandAudit, is_write, read_audit
 from cdc_assets.sources.mongodb.dialect import MongoDialect, MongoWindow
 from cdc_assets.sources.mongodb.watermark import MongoSettledRule
-
-KILLS = ("snapshot.before_window_record", "stream.after_changelog", "stream.after_merge", "stream.after_lake_commit")
-
-
-class Killed(BaseException):
-    """The process died at a fault point."""
-
-
-class FaultPoints:
-    def __init__(self) -> None:
-        self.armed: set[str] = set()
-        self.fired: list[str] = []
-
-    def __call__(self, name: str) -> None:
-        if name in self.armed:
-            self.armed.discard(name)
-            self.fired.append(name)
-            raise Killed(name)
-
-
-@pytest.fixture()
-def faults(monkeypatch: pytest.MonkeyPatch) -> FaultPoints:
-    points = FaultPoints()
-    monkeypatch.setattr(pipeline_module, "fault_point", points)
-    monkeypatch.setattr(watermark_window_module, "fault_point", points)
-    return points
+from tests.pipeline_support import KILLS, FaultPoints, Killed, Stream
 
 
 @pytest.fixture()
@@ -192,33 +165,6 @@ class BackgroundWriter:
         self.thread.join(30)
         if self.error is not None:
             raise self.error
-
-
-class Stream:
-    """The stream asset's loop: batch, record the offset, acknowledge."""
-
-    def __init__(self, pipeline: CdcPipeline, spark) -> None:
-        self.pipeline, self.spark = pipeline, spark
-        self.recorded: Offset | None = None
-        self.batches = 0
-
-    def batch(self, acknowledge: bool = True):
-        self.batches += 1
-        try:
-            report = self.pipeline.stream_batch(self.spark, self.recorded, f"b{self.batches}")
-        except Killed:
-            return None  # the offset was not recorded: the next batch starts from the same one
-        self.recorded = report.offset
-        if acknowledge:
-            self.pipeline.acknowledge(report.offset)
-        return report
-
-    def catch_up(self, rounds: int = 20) -> None:
-        for _ in range(rounds):
-            report = self.batch()
-            if report is not None and report.changes == 0 and report.waiting_windows == 0 and report.lag_bytes == 0:
-                return
-        raise AssertionError(f"no catch-up in {rounds} batches")
 
 
 def assert_exact(spark, pipeline: CdcPipeline, collection: pymongo.collection.Collection) -> None:
