@@ -23,7 +23,6 @@ pipeline's questions the way a real source would (``cdc_assets.dialect.SourceDia
 
 from __future__ import annotations
 
-import hashlib
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -42,6 +41,7 @@ from cdc_assets.dialect import ChangeBatch, Offset, OffsetError, TableChanges
 from cdc_assets.engine.chunks import Chunk, ChunkPlan, chunks_from_boundaries
 from cdc_assets.engine.windows import FILL_CHUNK
 from cdc_assets.lake import staging
+from cdc_assets.lake.digest import mirror_digest, mirror_part, text_digest, text_part
 from cdc_assets.lake.schema import UNREPRESENTABLE_COLUMN, UNREPRESENTABLE_TYPE, spark_fields
 from cdc_assets.source import SourceLag
 
@@ -193,22 +193,8 @@ class MemoryWindow:
         return staging.write_part(staging_path, attempt, FILL_CHUNK, 0, [_arrow_rows(table, found)], table.arrow_schema)
 
 
-def _part(text: str | None) -> str:
-    return "~" if text is None else f"{len(text.encode())}:{text}"
-
-
 def _text(value: Any) -> str | None:
     return None if value is None else str(value)
-
-
-def _digest(texts: Sequence[str | None]) -> int:
-    value = int(hashlib.md5("".join(_part(t) for t in texts).encode()).hexdigest()[:16], 16)
-    return value - (1 << 64) if value >= 1 << 63 else value
-
-
-def _mirror_part(column: Column) -> Column:
-    return F.when(column.isNull(), F.lit("~")).otherwise(F.concat(F.octet_length(column).cast("string"), F.lit(":"),
-                                                                  column))  # fmt: skip
 
 
 class MemoryCheckSession:
@@ -232,10 +218,10 @@ class MemoryCheckSession:
         return [r for k, r in sorted(self.view[table.qualified_name].items()) if _in_chunk(table, k, chunk)]
 
     def _key_text(self, table: MemoryTable, row: Row) -> str:
-        return "".join(_part(_text(row[k])) for k in table.key_columns)
+        return "".join(text_part(_text(row[k])) for k in table.key_columns)
 
     def _digest(self, table: MemoryTable, row: Row) -> int:
-        return _digest([_text(row[n]) for n in table.schema.names])
+        return text_digest([_text(row[n]) for n in table.schema.names])
 
     def summaries(self, table: MemoryTable, chunks: Sequence[Chunk]) -> list[tuple[int, int]]:
         return [
@@ -260,11 +246,10 @@ class MemoryCheckSession:
         return None
 
     def mirror_row_digest(self, table: MemoryTable) -> Column:
-        row = F.concat(*[_mirror_part(F.col(n).cast("string")) for n in table.schema.names])
-        return F.conv(F.substring(F.md5(row), 1, 16), 16, -10).cast("long")
+        return mirror_digest([F.col(n).cast("string") for n in table.schema.names])
 
     def mirror_key_text(self, table: MemoryTable, with_unrepresentable: bool) -> Column:
-        return F.concat(*[_mirror_part(F.col(k).cast("string")) for k in table.key_columns])
+        return F.concat(*[mirror_part(F.col(k).cast("string")) for k in table.key_columns])
 
     def mirror_column_texts(self, table: MemoryTable) -> list[Column]:
         return [F.col(n).cast("string").alias(n) for n in table.schema.names]

@@ -6,14 +6,13 @@ position (the dialect's ``current_position``). Each checked chunk's documents ar
 is seen; the same read as a snapshot chunk, ``snapshot.read_chunk``), and kept for the session: count, digests, the
 left-out keys and the first difference all come from that one read. It is not a point-in-time view: a document that
 changed while it was read changed after the low watermark, so its key is among those the check leaves out on both
-sides. A document's digest is the first 64 bits (signed) of the MD5 of its lake columns' texts, ``_id_key``, ``_id``
-and ``document`` (canonical extended JSON), each written as ``<bytes>:<text>``; the mirror side computes the same on
-Spark. A key's text is its ``_id_key``. Nothing is written to the source.
+sides. A document's digest is ``cdc_assets.lake.digest``'s over its lake columns' texts (``_id_key``, ``_id`` and
+``document``, canonical extended JSON); the mirror side computes the same on Spark. A key's text is its
+``_id_key``. Nothing is written to the source.
 """
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -21,25 +20,15 @@ from pyspark.sql import Column
 from pyspark.sql import functions as F
 
 from cdc_assets.engine.chunks import Chunk
+from cdc_assets.lake.digest import mirror_digest, text_digest
 from cdc_assets.sources.mongodb.catalog import COLUMNS, KEY_COLUMN, CapturedCollection
 
 # (collection, lo, hi, low watermark) -> the chunk's documents as lake rows
 ChunkReader = Callable[[CapturedCollection, str | None, str | None, int], list[dict[str, Any]]]
 
 
-def _part(text: str | None) -> str:
-    return "~" if text is None else f"{len(text.encode())}:{text}"
-
-
 def row_digest(row: dict[str, Any]) -> int:
-    value = int(hashlib.md5("".join(_part(row[c]) for c in COLUMNS).encode()).hexdigest()[:16], 16)
-    return value - (1 << 64) if value >= 1 << 63 else value
-
-
-def _mirror_part(column: Column) -> Column:
-    return F.when(column.isNull(), F.lit("~")).otherwise(
-        F.concat(F.octet_length(column).cast("string"), F.lit(":"), column)
-    )
+    return text_digest([row[c] for c in COLUMNS])
 
 
 class MongoCheckSession:
@@ -89,8 +78,7 @@ class MongoCheckSession:
         return None
 
     def mirror_row_digest(self, table: CapturedCollection) -> Column:
-        row = F.concat(*[_mirror_part(F.col(c)) for c in COLUMNS])
-        return F.conv(F.substring(F.md5(row), 1, 16), 16, -10).cast("long")
+        return mirror_digest([F.col(c) for c in COLUMNS])
 
     def mirror_key_text(self, table: CapturedCollection, with_unrepresentable: bool) -> Column:
         return F.col(KEY_COLUMN)

@@ -31,6 +31,7 @@ from pyspark.sql import Column
 from pyspark.sql import functions as F
 from pyspark.sql import types as T
 
+from cdc_assets.lake.digest import mirror_digest, mirror_part
 from cdc_assets.sources.postgres.pg_values import UNREPRESENTABLE_COLUMN, PgColumn, spark_schema
 
 _BOX = 603
@@ -168,10 +169,6 @@ def _mirror_text(column: PgColumn, data_type: T.DataType, unrepresentable: Colum
     return text
 
 
-def _mirror_part(text: Column) -> Column:
-    return F.when(text.isNull(), F.lit("~")).otherwise(F.concat(F.octet_length(text).cast("string"), F.lit(":"), text))
-
-
 def mirror_column_texts(columns: Sequence[PgColumn], with_unrepresentable: bool = True) -> list[Column]:
     """Per-column texts of mirror rows; without ``_cdc_unrepresentable`` for frames that lack it (e.g. keys
     taken from a changelog image)."""
@@ -184,9 +181,8 @@ def mirror_key_text(
     columns: Sequence[PgColumn], key_columns: Sequence[str], with_unrepresentable: bool = True
 ) -> Column:
     texts = mirror_column_texts(_in_key_order(columns, key_columns), with_unrepresentable)
-    return F.concat(*[_mirror_part(t) for t in texts])
+    return F.concat(*[mirror_part(t) for t in texts])
 
 
 def mirror_row_digest(columns: Sequence[PgColumn]) -> Column:
-    row = F.concat(*[_mirror_part(t) for t in mirror_column_texts(columns)])
-    return F.conv(F.substring(F.md5(row), 1, 16), 16, -10).cast("long")
+    return mirror_digest(mirror_column_texts(columns))
