@@ -15,6 +15,7 @@ from pyspark.sql import functions as F
 from pyspark.sql.types import LongType
 
 from cdc_assets.consistency import _touched_keys
+from cdc_assets.sources.postgres.consistency import PostgresCheckSession
 from cdc_assets.sources.postgres.pipeline import SETTLED_RULE, PostgresPipeline
 from cdc_assets.sources.postgres.snapshot import take_low_watermark
 from tests.integration.support import commit_held_by_absent_standby, pipeline_config, seeded_source
@@ -78,7 +79,7 @@ def source(postgres_server: dict[str, str], tmp_path: Path):
         yield admin_dsn, pipeline_config(DATABASE, tmp_path / "lake", chunk_size=500)
 
 
-def test_checks_find_drift_in_the_right_chunk_and_resnapshot_repairs_it(source, spark) -> None:
+def test_checks_find_drift_in_the_right_chunk_and_resnapshot_repairs_it(source, spark, monkeypatch) -> None:
     admin_dsn, config = source
     pipeline = PostgresPipeline(config, config.sources[0])
     items = pipeline.prepare()["public.items"]
@@ -87,15 +88,35 @@ def test_checks_find_drift_in_the_right_chunk_and_resnapshot_repairs_it(source, 
     pipeline.snapshot(spark, items, list(range(chunks)), "initial")
     recorded = catch_up(pipeline, spark, None)
 
-    # concurrent writes while the checks run: no false alarm
+    # concurrent writes around the checks' window (before its low watermark, between its reads, after its high
+    # watermark): no false alarm. The writer stops a few seconds after the window closed, so the stream the check
+    # waits for has a bounded backlog (a writer going on through the wait made the stream's target move: the check
+    # then retried for minutes on a busy machine without testing more)
     writer = Writer(f"{admin_dsn} dbname={DATABASE}", seed=3)
+    window_closed = threading.Event()
+    take_high_watermark = PostgresCheckSession.high_watermark
+
+    def high_watermark(session: PostgresCheckSession) -> int:
+        position = take_high_watermark(session)
+        window_closed.set()
+        return position
+
+    def stop_writer_after_the_window() -> None:
+        window_closed.wait(600)
+        time.sleep(3)
+        writer.stop.set()
+
+    monkeypatch.setattr(PostgresCheckSession, "high_watermark", high_watermark)
+    stopper = threading.Thread(target=stop_writer_after_the_window, daemon=True)
     writer.start()
+    stopper.start()
     try:
         results, recorded = check_all(pipeline, spark, items, chunks, recorded)
     finally:
         writer.stop.set()
         writer.join(30)
     assert writer.error is None
+    assert window_closed.is_set() and writer.done > 0
     assert not not_matching(results), not_matching(results)
     recorded = catch_up(pipeline, spark, recorded)
 
