@@ -169,7 +169,8 @@ class BackgroundWriter:
 
 def assert_exact(spark, pipeline: CdcPipeline, collection: pymongo.collection.Collection) -> None:
     table = pipeline.tables[CapturedCollection(collection.database.name, collection.name).qualified_name]
-    expected = {id_key(d["_id"]): canonical_json(d) for d in collection.find()}
+    # two documents a reply: the test server does not cap replies at 16 MB, and a few large documents pass its 48 MB
+    expected = {id_key(d["_id"]): canonical_json(d) for d in collection.find(batch_size=2)}
     mirror = spark.read.format("delta").load(pipeline.lake.table(table.qualified_name).mirror)
     assert mirror.where(F.col("_cdc_unknown").isNotNull()).count() == 0
     actual = {r["_id_key"]: r["document"] for r in mirror.select("_id_key", "document").collect()}
@@ -291,6 +292,45 @@ def test_an_idle_collections_chunk_is_reconciled_without_any_write(
         assert check.conclusive and not check.matches, check
         difference = check.first_difference or ""
         assert "tampered" in difference and "n5" in difference and "differing columns: document" in difference, check
+
+
+def test_a_backlog_of_large_documents_streams_through_in_byte_bounded_batches(
+    spark, mongo_server: str, database_name: str, tmp_path: Path
+) -> None:
+    """Seven events of a 7 MB document and new 7 MB documents wait in the stream: one change-stream batch of them is
+    larger than the test server's 48 MB message size (it does not cap batches at 16 MB; the stream stalled for good
+    on "Message length ... is larger than server max message size"). They are read in smaller change-stream batches,
+    and ``max_batch_bytes`` (18 MB) cuts the pipeline's batches between documents: every batch but the last stops
+    early, no change is lost or applied twice, and the mirror ends exact. A snapshot of the chunk then reads the
+    seven documents again (a reply of 49 MB at first) and the mirror stays exact."""
+    with pymongo.MongoClient(mongo_server) as client:
+        blobs = client[database_name]["blobs"]
+        blobs.insert_one({"_id": "big", "v": -1, "payload": "x" * 7_000_000})
+        config, source = source_config(
+            mongo_server, tmp_path / "lake", database_name, chunk_size=1000, max_changes=10_000,
+            stream={"max_changes": 10_000, "max_batch_bytes": 18_000_000},
+        )  # fmt: skip
+        pipeline = CdcPipeline(config, source, MongoDialect(source, tmp_path / "lake" / "docs" / "_cdc"))
+        table = pipeline.prepare()[CapturedCollection(database_name, "blobs").qualified_name]
+        pipeline.snapshot(spark, table, [0], "initial")
+        for i in range(6):
+            blobs.update_one({"_id": "big"}, {"$set": {"v": i}})
+            blobs.insert_one({"_id": i, "payload": chr(ord("a") + i) * 7_000_000})
+        stream = Stream(pipeline, spark)
+        reports = []
+        while not reports or reports[-1].changes or reports[-1].waiting_windows:
+            report = stream.batch()
+            assert report is not None
+            reports.append(report)
+            assert len(reports) < 20, reports
+        assert sum(r.changes for r in reports) == 12
+        assert max(r.bytes for r in reports) <= 18_000_000  # cut between documents (two of 7 MB a batch)
+        assert len([r for r in reports if r.changes]) >= 6  # 12 events of 7 MB in batches of at most 2
+        assert_exact(spark, pipeline, blobs)
+        # the chunk read again: seven documents of 7 MB in one reply were too large for the test server as well
+        assert pipeline.snapshot(spark, table, [0], "again").rows == 7
+        stream.catch_up()
+        assert_exact(spark, pipeline, blobs)
 
 
 def test_a_broken_settled_rule_is_caught(

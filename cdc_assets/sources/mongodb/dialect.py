@@ -11,9 +11,9 @@ Contract:
   decimal text, and whose high watermark is the current position after the reads. Chunk reads run in Spark tasks
   (``snapshot.chunk_stager``, one per chunk), each staging one file; a fill window reads by key in the driver.
 - ``read_batch`` is ``stream.read_batch`` from the recorded offset's position + 1 (no offset: the stored start + 1),
-  spilled as one Parquet file per collection. The offset has Debezium's MongoDB fields ``sec`` and ``ord`` (the
-  applied position's cluster time: every event at or before it is applied) and ``resume_token`` (the token of the
-  last applied event, the test server's form of the position when none is known), plus ``position``.
+  spilled as it is read (one Parquet file per collection). The offset has Debezium's MongoDB fields ``sec`` and
+  ``ord`` (the applied position's cluster time: every event at or before it is applied) and ``resume_token`` (the
+  token of the last applied event, the test server's form of the position when none is known), plus ``position``.
   ``position(offset)`` is ``(sec << 32) | ord``.
 - ``validate_offset``: exactly one of ``resume_token`` (its cluster time is the position) or ``timestamp`` (``SEC``
   or ``SEC:ORD``: changes after that cluster time are streamed); it must parse and not be after the server's current
@@ -134,8 +134,14 @@ class MongoWindow:
         self, table: CapturedCollection, keys: Sequence[tuple], staging_path: str, attempt: str
     ) -> int:
         dialect = self.dialect
-        parts = snapshot.rows_by_key(dialect.client, table, keys, self.low, dialect.capabilities.cluster_time)
-        return staging.write_part(staging_path, attempt, FILL_CHUNK, 0, parts, ARROW_SCHEMA)
+
+        def stage(batch_size: int) -> int:
+            parts = snapshot.rows_by_key(
+                dialect.client, table, keys, self.low, dialect.capabilities.cluster_time, batch_size
+            )
+            return staging.write_part(staging_path, attempt, FILL_CHUNK, 0, parts, ARROW_SCHEMA)
+
+        return snapshot.read_whole(stage)
 
 
 def _reader(path: Path):
@@ -254,17 +260,16 @@ class MongoDialect:
     ) -> ChangeBatch:  # fmt: skip
         after = self.stream_start() if recorded is None else self.position(recorded)
         capabilities = self.capabilities
-        batch = self._call(
+        batch, written = self._call(
             "reading the change streams",
             lambda: stream.read_batch(
                 self.client, capabilities, self.latest, list(tables.values()), after + 1, max_changes, max_bytes,
-                self.full_document,
+                self.full_document, spill_dir,
             ),
         )  # fmt: skip
-        written = stream.spill(batch.rows, spill_dir)
         changes = {
-            name: TableChanges(changes=count, bytes=size, parts=1, frame=_reader(path))
-            for name, (path, count, size) in written.items()
+            name: TableChanges(changes=table.changes, bytes=table.bytes, parts=table.parts, frame=_reader(table.path))
+            for name, table in written.items()
         }
         token = batch.last_token
         if token is None or token_position(token) != batch.applied:
@@ -363,7 +368,11 @@ class MongoDialect:
         def read(table: CapturedCollection, lo: str | None, hi: str | None, low: int) -> list[dict[str, Any]]:
             parts = self._call(
                 f"reading {table.qualified_name} for a consistency check",
-                lambda: list(snapshot.read_chunk(self.client, table, lo, hi, low, self.capabilities.cluster_time)),
+                lambda: snapshot.read_whole(
+                    lambda batch_size: list(
+                        snapshot.read_chunk(self.client, table, lo, hi, low, self.capabilities.cluster_time, batch_size)
+                    )
+                ),
             )
             return [row for part in parts for row in part.to_pylist()]
 

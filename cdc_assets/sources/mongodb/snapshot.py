@@ -14,6 +14,11 @@ Contract:
   (type bracketing), ``min()``/``max()`` are ignored by the test server, and the test server's order differs from
   MongoDB's for a few values (docs/mongodb.md); filtering by the key in the reader loses no type. The cost: each
   chunk's read scans the collection (chunks read in parallel tasks each scan it once).
+- The test server does not cap a reply at 16 MB as MongoDB does: a batch of a few large documents is larger than
+  its message size (48 MB) and the driver fails with "Message length ... is larger than server max message size".
+  ``read_whole(read)`` runs a whole read again with ``SAFE_BATCH`` documents a batch then (two of at most 16 MB
+  fit); its callers restart only reads whose output is not visible yet (a staged file is renamed into place once
+  complete; a check keeps the rows once read). Yielded tables also stop at ``BATCH_BYTES`` of canonical JSON.
 - ``chunk_stager(...)`` is the ``mapInArrow`` function of a window's chunk reads: one task per chunk, each with its
   own client (the connection string travels in the task's closure, never in a log), writing one staged file
   (``cdc_assets.lake.staging.write_part``) and yielding ``(chunk, rows)``.
@@ -22,13 +27,13 @@ Contract:
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, TypeVar
 
 import pyarrow as pa
 import pymongo
 from pymongo import monitoring
-from pymongo.errors import OperationFailure
+from pymongo.errors import OperationFailure, ProtocolError
 
 from cdc_assets.config import MongoConnection
 from cdc_assets.engine.chunks import ChunkPlan, chunks_from_boundaries
@@ -39,6 +44,8 @@ from cdc_assets.sources.mongodb.catalog import ARROW_SCHEMA, CapturedCollection,
 from cdc_assets.sources.mongodb.watermark import timestamp_of
 
 BATCH_ROWS = 1000
+BATCH_BYTES = 32 << 20
+SAFE_BATCH = 2
 SAMPLES_PER_CHUNK = 20
 
 
@@ -76,9 +83,23 @@ def in_range(key: str, lo: str | None, hi: str | None) -> bool:
     return (lo is None or key >= lo) and (hi is None or key < hi)
 
 
+Read = TypeVar("Read")
+
+
+def read_whole(read: Callable[[int], Read]) -> Read:
+    """``read(batch_size)``, again from the start with ``SAFE_BATCH`` when a reply was too large for the test server's
+    message size (see the module docstring)."""
+    try:
+        return read(BATCH_ROWS)
+    except ProtocolError as error:
+        if "max message size" not in str(error):
+            raise
+        return read(SAFE_BATCH)
+
+
 def read_chunk(
     client: pymongo.MongoClient, table: CapturedCollection, lo: str | None, hi: str | None, low_watermark: int,
-    cluster_time: bool,
+    cluster_time: bool, batch_size: int = BATCH_ROWS,
 ) -> Iterator[pa.Table]:  # fmt: skip
     collection = client[table.database][table.collection]
     session = client.start_session(causal_consistency=True) if cluster_time else None
@@ -86,13 +107,15 @@ def read_chunk(
         if session is not None:
             session.advance_operation_time(timestamp_of(low_watermark))
         rows: list[dict[str, Any]] = []
-        for document in collection.find({}, session=session, batch_size=BATCH_ROWS):
+        size = 0
+        for document in collection.find({}, session=session, batch_size=batch_size):
             row = document_row(document)
             if in_range(row["_id_key"], lo, hi):
                 rows.append(row)
-                if len(rows) >= BATCH_ROWS:
+                size += len(row["document"])
+                if len(rows) >= BATCH_ROWS or size >= BATCH_BYTES:
                     yield rows_table(rows)
-                    rows = []
+                    rows, size = [], 0
         yield rows_table(rows)
     finally:
         if session is not None:
@@ -105,10 +128,11 @@ def rows_by_key(
     keys: Sequence[tuple],
     low_watermark: int,
     cluster_time: bool,
+    batch_size: int = BATCH_ROWS,
 ) -> Iterator[pa.Table]:
     """The documents whose ``_id_key`` is one of ``keys`` (a fill window's read; the same full scan)."""
     wanted = {str(k[0]) for k in keys}
-    for part in read_chunk(client, table, None, None, low_watermark, cluster_time):
+    for part in read_chunk(client, table, None, None, low_watermark, cluster_time, batch_size):
         mask = pa.array([key in wanted for key in part.column("_id_key").to_pylist()], pa.bool_())
         yield part.filter(mask)
 
@@ -122,8 +146,14 @@ def chunk_stager(
         try:
             for batch in batches:
                 for item in batch.to_pylist():
-                    tables = read_chunk(client, table, item["lo"], item["hi"], low_watermark, cluster_time)
-                    rows = staging.write_part(staging_path, attempt, item["chunk"], 0, tables, ARROW_SCHEMA)
+
+                    def stage(batch_size: int, item: dict[str, Any] = item) -> int:
+                        tables = read_chunk(
+                            client, table, item["lo"], item["hi"], low_watermark, cluster_time, batch_size
+                        )
+                        return staging.write_part(staging_path, attempt, item["chunk"], 0, tables, ARROW_SCHEMA)
+
+                    rows = read_whole(stage)
                     yield pa.RecordBatch.from_arrays(
                         [pa.array([item["chunk"]], pa.int32()), pa.array([rows], pa.int64())], names=["chunk", "rows"]
                     )

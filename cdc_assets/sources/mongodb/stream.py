@@ -4,14 +4,20 @@ Contract (``read_batch``):
 - One change stream per captured collection, each started at the cluster time just after the recorded position
   (``start_at_operation_time``, inclusive; the test server needs an explicit start and has no client- or
   database-level stream that delivers inserts and updates), ``fullDocument: updateLookup``.
-- The bound is taken first (``client.current_position``), then each stream is read up to it: events at or before
-  it are kept. A stream has reached the bound when it returned an event after it, or (on a server with cluster
-  times) its post-batch resume token is at or past it, or (on the test server) it has no event left (an event at
-  or before the bound was appended before the bound was known). Streams that do not reach it within
-  ``REACH_SECONDS`` (a real server's majority commit lagging) lower the batch's end to where they got.
-- Events are merged by (position, collection, stream order); positions group a transaction's events, which are
-  taken whole: groups are taken until ``max_changes`` or ``max_bytes`` (canonical JSON bytes) would be passed (at
-  least one group). ``applied`` is the last taken group's position when a bound cut the batch, else the end.
+- The bound is taken first: a real server's ``operationTime``; on the test server the newest event of the
+  captured collections (``client.current_position``, streams read without their documents). Then the streams are
+  merged lazily (``Merge``) by (position, collection, stream order) up to the bound, holding one unread event per
+  stream. A stream has reached the bound when it returned an event after it, or (on a server with cluster times) its
+  post-batch resume token is at or past it, or (on the test server) it has no event left (an event at or before the
+  bound was appended before the bound was known). Streams that do not reach it within ``REACH_SECONDS`` (a real
+  server's majority commit lagging) lower the batch's end to where they got.
+- Positions group a transaction's events, which are taken whole: groups are taken until ``max_changes`` or
+  ``max_bytes`` (canonical JSON bytes) would be passed (at least one group); the streams are read no further than
+  the end of the first group that does not fit. ``applied`` is the last taken group's position when a bound cut the
+  batch, else the end. Taken rows go to disk as they come (``Spill``: one Parquet file per collection, a row group
+  per 32 MB or 50,000 rows), so the driver holds a bounded amount whatever the backlog; a change-stream batch the
+  test server makes larger than its message size (it does not cap batches at 16 MB) is read again in smaller
+  batches (``client.ChangeCursor``), so a backlog of large documents streams through.
 - Rows: insert -> ``c`` with the inserted document; update or replace -> ``u`` with the looked-up document. The
   looked-up document is the one at the time the event is read, possibly newer than the event: the mirror row then
   holds a newer document at the event's position, and every later event of that ``_id`` is applied after it, the
@@ -29,7 +35,7 @@ Contract (``read_batch``):
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -38,16 +44,16 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pymongo
-from pymongo.change_stream import ChangeStream
 
 from cdc_assets.source import PermanentBatchError
 from cdc_assets.sources.mongodb import client as clients
 from cdc_assets.sources.mongodb.bson_order import canonical_json
 from cdc_assets.sources.mongodb.catalog import ARROW_SCHEMA, KEY_COLUMN, CapturedCollection, document_row, id_key
-from cdc_assets.sources.mongodb.watermark import format_position, position_of, timestamp_of, token_position, token_text
+from cdc_assets.sources.mongodb.watermark import format_position, position_of, token_position, token_text
 
 REACH_SECONDS = 10.0
-MAX_AWAIT_MS = 100
+SPILL_BYTES = 32 << 20  # a table's buffered rows written as a row group past this (canonical JSON bytes)
+SPILL_ROWS = 50_000
 ENDING = ("drop", "rename", "dropDatabase", "invalidate")
 CHANGE_SCHEMA = pa.schema([
     ("_cdc_op", pa.string()), ("_cdc_position", pa.int64()), ("_cdc_seq", pa.int64()),
@@ -85,12 +91,10 @@ class StreamBatch:
     positions: list[int] = field(default_factory=list)
 
 
-def open_stream(client: pymongo.MongoClient, table: CapturedCollection, start: int, full_document: str) -> ChangeStream:
-    return client[table.database][table.collection].watch(
-        start_at_operation_time=timestamp_of(max(start, clients.FIRST_POSITION)),
-        full_document=full_document,
-        max_await_time_ms=MAX_AWAIT_MS,
-    )
+def open_stream(
+    client: pymongo.MongoClient, table: CapturedCollection, start: int, full_document: str
+) -> clients.ChangeCursor:
+    return clients.ChangeCursor(client[table.database][table.collection], start, full_document)
 
 
 def _token(event: Mapping[str, Any]) -> str | None:
@@ -134,104 +138,157 @@ def _check_ending(client: pymongo.MongoClient, event: Event) -> None:
         raise PermanentBatchError(_ended(table, f"had a {operation} event at cluster time {at}"))
 
 
+class Merge:
+    """The events of every captured collection's stream after ``start - 1`` and at or before ``reached``, in
+    (position, collection, stream order) order, read lazily: at most one unread event per stream is held.
+
+    ``reached`` starts at the batch's bound. The smallest of the streams' next events is yielded once every stream
+    has its next event in hand or is known to hold none at or before ``reached``: on the test server a stream without
+    an event left has none at or before the bound (every such event was appended before the bound was known); on a
+    real server, once its post-batch resume token reached ``reached``. A real server's stream that does not get there
+    within ``REACH_SECONDS`` lowers ``reached`` to where it got, which is at or after every event it returned, so at
+    or after every event yielded (events past it are left for the next batch)."""
+
+    def __init__(
+        self, cursors: Mapping[str, clients.ChangeCursor], tables: Mapping[str, CapturedCollection], start: int,
+        bound: int, cluster_time: bool,
+    ) -> None:  # fmt: skip
+        self.cursors, self.tables, self.start = cursors, tables, start
+        self.reached, self.cluster_time = bound, cluster_time
+        self.heads: dict[str, Event | None] = {}
+        self.done: set[str] = set()
+        self.order = 0
+        self.deadlines = {name: time.monotonic() + REACH_SECONDS for name in cursors}
+
+    def _pull(self, name: str) -> Event | None:
+        raw = self.cursors[name].try_next()
+        if raw is None:
+            return None
+        self.order += 1
+        return Event(self.tables[name], position_of(raw["clusterTime"]), _token(raw), raw, self.order)
+
+    def _head(self, name: str) -> Event | None:
+        """The stream's next event, or None once it is known to hold none at or before ``reached`` (then it is done:
+        ``reached`` only goes down). On a real server this may lower ``reached`` to where the stream got."""
+        if name in self.done:
+            return None
+        event = self.heads.get(name)
+        if event is None:
+            event = self._pull(name)
+            while event is None and self.cluster_time:
+                token = self.cursors[name].resume_token
+                progress = token_position(token) if token is not None else self.start - 1
+                if progress >= self.reached:
+                    break
+                if time.monotonic() > self.deadlines[name]:
+                    # at least the position of every event this stream returned, so of every event yielded so far
+                    self.reached = min(self.reached, progress)
+                    break
+                event = self._pull(name)
+            if event is None:
+                self.done.add(name)
+            self.heads[name] = event
+        return event
+
+    def waiting(self) -> int:
+        """Events read past ``reached`` (held as heads)."""
+        return sum(1 for e in self.heads.values() if e is not None and e.position > self.reached)
+
+    def __iter__(self) -> Iterator[Event]:
+        while True:
+            heads = [head for name in self.cursors if (head := self._head(name)) is not None]
+            candidates = [e for e in heads if e.position <= self.reached]
+            if not candidates:
+                return
+            first = min(candidates, key=lambda e: (e.position, e.table.qualified_name, e.order))
+            self.heads[first.table.qualified_name] = None
+            yield first
+
+
 def read_batch(
     client: pymongo.MongoClient, capabilities: clients.Capabilities, latest: clients.LatestEvent,
     tables: Sequence[CapturedCollection], start: int, max_changes: int, max_bytes: int, full_document: str,
-    on_bound: Callable[[int], None] | None = None,
-) -> StreamBatch:  # fmt: skip
-    """Events after position ``start - 1`` (see the module docstring)."""
+    spill_dir: Path, on_bound: Callable[[int], None] | None = None,
+) -> tuple[StreamBatch, dict[str, SpilledTable]]:  # fmt: skip
+    """Events after position ``start - 1`` (see the module docstring), their rows spilled to ``spill_dir``."""
     check_collections_exist(client, tables)
-    streams = {t.qualified_name: open_stream(client, t, start, full_document) for t in tables}
+    by_name = {t.qualified_name: t for t in tables}
+    if capabilities.cluster_time and (found := clients.operation_time(client)) is not None:
+        bound = found
+    else:  # the test server: the newest event of the captured collections (read without their documents)
+        bound = max(clients.current_position(client, capabilities, latest, [t.namespace for t in tables]), start - 1)
+    latest.note(bound)
+    if on_bound is not None:
+        on_bound(bound)
+    cursors = {name: open_stream(client, table, start, full_document) for name, table in by_name.items()}
+    spill = Spill(spill_dir)
     try:
-        buffered: dict[str, list[Event]] = {name: [] for name in streams}
-        order = 0
-
-        def pull(name: str, table: CapturedCollection) -> Event | None:
-            nonlocal order
-            raw = streams[name].try_next()
-            if raw is None:
-                return None
-            order += 1
-            event = Event(table, position_of(raw["clusterTime"]), _token(raw), raw, order)
-            buffered[name].append(event)
-            return event
-
-        by_name = {t.qualified_name: t for t in tables}
-        if capabilities.cluster_time and (found := clients.operation_time(client)) is not None:
-            bound = found
-        else:  # the test server: every stream drained, the newest event is the bound
-            for name, table in by_name.items():
-                while pull(name, table) is not None:
-                    pass
-            newest = max((e.position for events in buffered.values() for e in events), default=0)
-            bound = max(latest.seen, newest, start - 1)
-        latest.note(bound)
-        if on_bound is not None:
-            on_bound(bound)
-        reached = bound
-        for name, table in by_name.items():
-            deadline = time.monotonic() + REACH_SECONDS
-            while not buffered[name] or buffered[name][-1].position <= bound:
-                if pull(name, table) is not None:
-                    continue
-                if not capabilities.cluster_time:
-                    break  # no event left: everything at or before the bound was read
-                token = streams[name].resume_token
-                progress = token_position(token) if token is not None else start - 1
-                if progress >= bound:
-                    break
-                if time.monotonic() > deadline:
-                    reached = min(reached, progress)
-                    break
-        events = sorted(
-            (e for events in buffered.values() for e in events if e.position <= reached),
-            key=lambda e: (e.position, e.table.qualified_name, e.order),
-        )
-        waiting = sum(1 for events in buffered.values() for e in events if e.position > reached)
-        for event in events:
-            if event.operation in ENDING:
-                _check_ending(client, event)
-        return _rows(events, max(reached, start - 1), max_changes, max_bytes, waiting)
+        merge = Merge(cursors, by_name, start, bound, capabilities.cluster_time)
+        batch = _rows(_checked(client, merge), lambda: max(merge.reached, start - 1), max_changes, max_bytes, spill.add)
+        batch.waiting += merge.waiting()
+        return batch, spill.close()
     finally:
-        for stream in streams.values():
-            stream.close()
+        spill.abort()
+        for cursor in cursors.values():
+            cursor.close()
 
 
-def _rows(events: list[Event], end: int, max_changes: int, max_bytes: int, waiting: int) -> StreamBatch:
-    groups: list[list[Event]] = []
+def _checked(client: pymongo.MongoClient, events: Iterable[Event]) -> Iterator[Event]:
+    """``events``, raising at an event that ends a captured collection (before any later event is taken)."""
     for event in events:
         if event.operation in ENDING:
-            continue  # another collection's drop (an ending of ours raised before)
-        if groups and groups[-1][0].position == event.position:
-            groups[-1].append(event)
-        else:
-            groups.append([event])
+            _check_ending(client, event)
+        yield event
+
+
+def _rows(
+    events: Iterable[Event], end: Callable[[], int], max_changes: int, max_bytes: int,
+    sink: Callable[[str, dict[str, Any]], None] | None = None,
+) -> StreamBatch:  # fmt: skip
+    """Whole cluster-time groups of ``events`` (ordered by position) within the bounds, at least one group. Reads
+    ``events`` only to the end of the first group that does not fit (and the next event, which ends that group).
+    Rows of taken groups go to ``sink`` (table, row) in order, or into ``rows``. ``applied``: the last taken group's
+    position when a bound cut the batch, else ``end()`` (called once ``events`` is exhausted)."""
     rows: dict[str, list[dict[str, Any]]] = {}
-    taken = changes = size = skipped = 0
-    last_token: str | None = None
-    last_ts: datetime | None = None
-    for group in groups:
+    emit = sink or (lambda name, row: rows.setdefault(name, []).append(row))
+    batch = StreamBatch(0, rows, 0, 0, 0, False, 0, None, None)
+    group: list[Event] = []
+
+    def take(group: list[Event]) -> bool:
         made = [(event, _row(event)) for event in group]
         group_bytes = sum(len(r["after"]["document"]) if r and r["after"] else 64 for _, r in made)
-        if taken and (changes + len(group) > max_changes or size + group_bytes > max_bytes):
-            break
-        taken += 1
-        changes += len(group)
-        size += group_bytes
+        if batch.groups and (batch.changes + len(group) > max_changes or batch.bytes + group_bytes > max_bytes):
+            return False
+        batch.groups += 1
+        batch.changes += len(group)
+        batch.bytes += group_bytes
+        batch.applied = group[0].position
         seq = 0
         for event, row in made:
-            last_token = event.token or last_token
-            last_ts = row["_cdc_ts"] if row else last_ts
+            batch.last_token = event.token or batch.last_token
+            batch.last_ts = row["_cdc_ts"] if row else batch.last_ts
             if row is None:
-                skipped += 1
+                batch.skipped_lookups += 1
                 continue
             row["_cdc_seq"] = seq
             seq += 1
-            rows.setdefault(event.table.qualified_name, []).append(row)
-    cut = taken < len(groups)
-    applied = groups[taken - 1][0].position if cut else end
-    waiting += sum(len(g) for g in groups[taken:])
-    return StreamBatch(applied, rows, changes, taken, size, cut, waiting, last_token, last_ts, skipped)
+            emit(event.table.qualified_name, row)
+        return True
+
+    for event in events:
+        if event.operation in ENDING:
+            continue  # another collection's drop (an ending of ours raised before)
+        if group and group[0].position != event.position:
+            if not take(group):
+                batch.cut, batch.waiting = True, len(group) + 1
+                return batch
+            group = []
+        group.append(event)
+    if group and not take(group):
+        batch.cut, batch.waiting = True, len(group)
+        return batch
+    batch.applied = end()
+    return batch
 
 
 def _row(event: Event) -> dict[str, Any] | None:
@@ -252,12 +309,59 @@ def _row(event: Event) -> dict[str, Any] | None:
     return None
 
 
-def spill(rows: Mapping[str, list[dict[str, Any]]], spill_dir: Path) -> dict[str, tuple[Path, int, int]]:
-    """One Parquet file per table: (path, changes, bytes)."""
-    written = {}
-    for name, table_rows in rows.items():
-        path = spill_dir / f"t{len(written):04d}" / "part-00000.parquet"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        pq.write_table(pa.Table.from_pylist(table_rows, schema=CHANGE_SCHEMA), path)
-        written[name] = (path, len(table_rows), path.stat().st_size)
-    return written
+@dataclass
+class SpilledTable:
+    path: Path
+    changes: int
+    bytes: int
+    parts: int
+
+
+class Spill:
+    """A batch's rows on disk as they are taken: one Parquet file per table, a row group written whenever a table's
+    buffered rows pass ``SPILL_BYTES`` (canonical JSON bytes) or ``SPILL_ROWS``; the driver holds at most that much
+    per table, whatever the batch's size."""
+
+    def __init__(self, spill_dir: Path) -> None:
+        self.spill_dir = spill_dir
+        self.buffers: dict[str, list[dict[str, Any]]] = {}
+        self.buffered_bytes: dict[str, int] = {}
+        self.writers: dict[str, pq.ParquetWriter] = {}
+        self.tables: dict[str, SpilledTable] = {}
+
+    def add(self, name: str, row: dict[str, Any]) -> None:
+        buffer = self.buffers.setdefault(name, [])
+        buffer.append(row)
+        size = len(row["after"]["document"]) if row["after"] else 64
+        self.buffered_bytes[name] = self.buffered_bytes.get(name, 0) + size
+        if self.buffered_bytes[name] >= SPILL_BYTES or len(buffer) >= SPILL_ROWS:
+            self._flush(name)
+
+    def _flush(self, name: str) -> None:
+        rows = self.buffers.get(name)
+        if not rows:
+            return
+        if name not in self.writers:
+            path = self.spill_dir / f"t{len(self.writers):04d}" / "part-00000.parquet"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self.writers[name] = pq.ParquetWriter(path, CHANGE_SCHEMA)
+            self.tables[name] = SpilledTable(path, 0, 0, 0)
+        self.writers[name].write_table(pa.Table.from_pylist(rows, schema=CHANGE_SCHEMA))
+        table = self.tables[name]
+        table.changes += len(rows)
+        table.parts += 1
+        self.buffers[name], self.buffered_bytes[name] = [], 0
+
+    def close(self) -> dict[str, SpilledTable]:
+        for name in list(self.buffers):
+            self._flush(name)
+        for name, writer in self.writers.items():
+            writer.close()
+            self.tables[name].bytes = self.tables[name].path.stat().st_size
+        self.writers = {}
+        return self.tables
+
+    def abort(self) -> None:
+        for writer in self.writers.values():
+            writer.close()
+        self.writers = {}

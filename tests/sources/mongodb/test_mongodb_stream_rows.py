@@ -44,7 +44,7 @@ def test_events_become_rows_and_a_failed_lookup_yields_none() -> None:
         event(ITEMS, 10, 5, {"operationType": "delete", "documentKey": {"_id": 1}, "fullDocument": None}),
         event(OTHER, 10, 6, {"operationType": "drop"}),  # another collection's drop on the test server: no row
     ]
-    batch = _rows(events, position_of(Timestamp(10, 9)), 100, 10**9, 0)
+    batch = _rows(events, lambda: position_of(Timestamp(10, 9)), 100, 10**9)
     rows = batch.rows["shop.items"]
     assert [r["_cdc_op"] for r in rows] == ["c", "u", "d"]
     assert rows[1]["after"]["document"] == '{"_id":{"$numberInt":"1"},"x":{"$numberInt":"3"}}'
@@ -62,13 +62,13 @@ def test_a_batch_is_cut_between_cluster_times_never_inside_one() -> None:
     events += [event(ITEMS, 10, 2, {**insert, "fullDocument": {"_id": i}}, i) for i in (2, 3)]
     events += [event(OTHER, 10, 2, {**insert, "fullDocument": {"_id": 9}}, 4)]
     events += [event(ITEMS, 10, 3, {**insert, "fullDocument": {"_id": 5}}, 5)]
-    batch = _rows(events, position_of(Timestamp(10, 3)), 2, 10**9, 0)
+    batch = _rows(events, lambda: position_of(Timestamp(10, 3)), 2, 10**9)
     assert batch.cut and batch.applied == position_of(Timestamp(10, 1)) and batch.changes == 1 and batch.waiting == 4
-    batch = _rows(events, position_of(Timestamp(10, 3)), 4, 10**9, 0)
+    batch = _rows(events, lambda: position_of(Timestamp(10, 3)), 4, 10**9)
     assert batch.cut and batch.applied == position_of(Timestamp(10, 2)) and batch.changes == 4  # the group is whole
     assert [(r["_cdc_position"], r["_cdc_seq"]) for r in batch.rows["shop.items"]] == [
         (position_of(Timestamp(10, 1)), 0), (position_of(Timestamp(10, 2)), 0), (position_of(Timestamp(10, 2)), 1)
     ]  # fmt: skip
     assert batch.rows["shop.other"][0]["_cdc_seq"] == 2
-    single = _rows(events, position_of(Timestamp(10, 3)), 1, 1, 0)  # a group larger than the bounds is read whole
+    single = _rows(events, lambda: position_of(Timestamp(10, 3)), 1, 1)  # a group larger than the bounds is read whole
     assert single.changes == 1 and single.cut
