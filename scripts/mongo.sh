@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Local MongoDB wire-protocol test server for the demo and manual tests: mongo-java-server 1.47.0 (in memory, oplog
 # enabled, see docs/mongodb.md) started by the launcher cdclake.MongoTestServer that scripts/setup.sh builds into
-# .jars/mongo-test-server/. A background process on a private loopback port; its data is gone when it stops.
+# .jars/mongo-test-server/. A background process on a private loopback port; its data is gone when it stops, unless
+# CDC_MONGO_FILE names a data file (the H2 file backend: collections and oplog kept across restarts; the demo's).
 #   scripts/mongo.sh start|stop|status
 # Environment: CDC_MONGO_PORT (default 54337), CDC_MONGO_STATE (default <repo>/.state/mongo: pid file, port file,
-# server.log), CDC_JARS_DIR (default <repo>/.jars), PYTHON (default <repo>/.venv/bin/python: with pymongo, `start`
+# server.log), CDC_MONGO_FILE (default: none, in memory), CDC_JARS_DIR (default <repo>/.jars), PYTHON (default <repo>/.venv/bin/python: with pymongo, `start`
 # waits for an answered ping; without it, for the port to accept connections).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -60,7 +61,8 @@ case "${1:-}" in
       fi
       mkdir -p "$STATE"
       # a session of its own: the server outlives this shell and its terminal
-      setsid java -cp "$JARS/*" cdclake.MongoTestServer 127.0.0.1 "$PORT" > "$LOG" 2>&1 < /dev/null &
+      setsid java -cp "$JARS/*" cdclake.MongoTestServer 127.0.0.1 "$PORT" ${CDC_MONGO_FILE:+"$CDC_MONGO_FILE"} \
+        > "$LOG" 2>&1 < /dev/null &
       pid=$!
       echo "$pid" > "$PIDFILE"
       echo "$PORT" > "$PORTFILE"

@@ -1,26 +1,29 @@
 package cdclake;
 
 import de.bwaldvogel.mongo.MongoServer;
+import de.bwaldvogel.mongo.backend.AbstractMongoBackend;
+import de.bwaldvogel.mongo.backend.h2.H2Backend;
 import de.bwaldvogel.mongo.backend.memory.MemoryBackend;
 import java.net.InetSocketAddress;
 import java.util.concurrent.CountDownLatch;
 
 /**
- * Starts mongo-java-server's in-memory backend with its oplog enabled (change streams need it; the library's own
- * main does not enable it) on a loopback address.
+ * Starts mongo-java-server with its oplog enabled (change streams need it; the library's own main does not enable
+ * it) on a loopback address: the in-memory backend, or with FILE the H2 MVStore backend keeping every collection and
+ * the oplog in that file across restarts (the demo's server: its lake mirrors stay valid when the demo restarts).
  *
- * <p>Usage: {@code java -cp '.jars/mongo-test-server/*' cdclake.MongoTestServer [HOST [PORT]]}; HOST defaults to
- * 127.0.0.1 and PORT to 0 (a free port). Once bound, prints exactly one line {@code listening HOST:PORT} on stdout
- * with the bound port. Runs until the JVM is asked to stop (SIGTERM, SIGINT): a shutdown hook then closes the
- * server. The server logs warnings and errors on stderr (more with
- * {@code -Dorg.slf4j.simpleLogger.defaultLogLevel=info}). All data lives in memory and is gone when the process ends.
+ * <p>Usage: {@code java -cp '.jars/mongo-test-server/*' cdclake.MongoTestServer [HOST [PORT [FILE]]]}; HOST defaults
+ * to 127.0.0.1 and PORT to 0 (a free port). Once bound, prints exactly one line {@code listening HOST:PORT} on stdout
+ * with the bound port. Runs until the JVM is asked to stop (SIGTERM, SIGINT): a shutdown hook then closes the server
+ * (and the file, committed). The server logs warnings and errors on stderr (more with
+ * {@code -Dorg.slf4j.simpleLogger.defaultLogLevel=info}). Without FILE all data is gone when the process ends.
  */
 public final class MongoTestServer {
   private MongoTestServer() {}
 
   public static void main(String[] args) throws InterruptedException {
-    if (args.length > 2) {
-      System.err.println("usage: cdclake.MongoTestServer [HOST [PORT]]");
+    if (args.length > 3) {
+      System.err.println("usage: cdclake.MongoTestServer [HOST [PORT [FILE]]]");
       System.exit(2);
     }
     if (System.getProperty("org.slf4j.simpleLogger.defaultLogLevel") == null) {
@@ -29,7 +32,7 @@ public final class MongoTestServer {
     String host = args.length > 0 ? args[0] : "127.0.0.1";
     int port = args.length > 1 ? Integer.parseInt(args[1]) : 0;
 
-    MemoryBackend backend = new MemoryBackend();
+    AbstractMongoBackend backend = args.length > 2 ? new H2Backend(args[2]) : new MemoryBackend();
     backend.enableOplog();
     MongoServer server = new MongoServer(backend);
     server.bind(host, port);
