@@ -440,3 +440,166 @@ def test_the_dagster_glue_runs_a_mongodb_source(
     assert not refused.success
     assert "timestamp" in str(refused.all_events) and "in the future" in str(refused.all_events)
     assert recorded_offset(instance, "docs") == offset  # nothing moved
+
+
+def cluster_times(collection: pymongo.collection.Collection) -> list[Timestamp]:
+    """The cluster times of the collection's change events so far, in order."""
+    with collection.watch(start_at_operation_time=Timestamp(1, 1)) as events:
+        return [event["clusterTime"] for event in iter(events.try_next, None)]
+
+
+def first_oplog_entry(uri: str) -> Timestamp:
+    with pymongo.MongoClient(uri) as client:
+        return client.local["oplog.rs"].find_one({}, sort=[("$natural", 1)])["ts"]
+
+
+def mirror_documents(spark, pipeline: CdcPipeline, name: str) -> dict[str, str]:
+    mirror = spark.read.format("delta").load(pipeline.lake.table(name).mirror)
+    return {r["_id"]: r["document"] for r in mirror.select("_id", "document").collect()}
+
+
+def test_startup_modes_latest_and_timestamp(spark, mongo_server: str, database_name: str, tmp_path: Path) -> None:
+    """``latest``: the stream starts at the position of the first discovery (older documents are not read);
+    ``timestamp``: it starts just after the given cluster time; a timestamp before the oplog's first entry (the test
+    server's oplog is never truncated and readable as ``local.oplog.rs``) or in the future is refused naming the
+    setting and the window, and no start is stored."""
+    with pymongo.MongoClient(mongo_server) as client:
+        notes = client[database_name]["notes"]
+        notes.insert_many([{"_id": f"n{i}", "v": i} for i in range(5)])
+        config, source = source_config(mongo_server, tmp_path / "latest", database_name, 1000, startup_mode="latest")
+        latest = CdcPipeline(config, source, MongoDialect(source, tmp_path / "latest" / "docs" / "_cdc"))
+        latest.prepare()
+        notes.insert_one({"_id": "n5", "v": 5})
+        stream = Stream(latest, spark)
+        assert stream.batch().changes == 1
+        assert set(mirror_documents(spark, latest, f"{database_name}.notes")) == {'"n5"'}
+        assert latest.pending_work() is None
+
+        n2 = cluster_times(notes)[2]  # the insert of n2
+        config, source = source_config(
+            mongo_server, tmp_path / "ts", database_name, 1000, startup_mode="timestamp",
+            startup_timestamp=f"{n2.time}:{n2.inc}",
+        )  # fmt: skip
+        since = CdcPipeline(config, source, MongoDialect(source, tmp_path / "ts" / "docs" / "_cdc"))
+        assert since.pending_work() == "change events wait after the recorded position"
+        Stream(since, spark).catch_up()
+        assert set(mirror_documents(spark, since, f"{database_name}.notes")) == {'"n3"', '"n4"', '"n5"'}
+
+        first = first_oplog_entry(mongo_server)
+        before = f"{first.time - 1}:7"
+        for given, refusal in (
+            (before, rf"startup_timestamp: '{before}' is cluster time {before}, before the oplog window: .*its first "
+                     rf"entry is {first.time}:{first.inc}, read from local\.oplog\.rs.*allowed: a cluster time from "
+                     rf"{first.time}:{first.inc - 1} to "),
+            ("4102444800", r"startup_timestamp: '4102444800' is cluster time 4102444800:0, in the future"),
+        ):  # fmt: skip
+            lake = tmp_path / f"refused-{given.replace(':', '-')}"
+            config, source = source_config(
+                mongo_server, lake, database_name, 1000, startup_mode="timestamp", startup_timestamp=given
+            )
+            with pytest.raises(SourceError, match=rf"source 'docs' \(startup_mode: timestamp\): {refusal}"):
+                CdcPipeline(config, source, MongoDialect(source, lake / "docs" / "_cdc")).prepare()
+            assert not (lake / "docs" / "_cdc" / "mongodb_stream_start.json").exists()
+
+
+def test_snapshot_mode_reconciles_its_chunks_and_streams_no_further(
+    spark, mongo_server: str, database_name: str, tmp_path: Path
+) -> None:
+    """``snapshot``: a batch goes only as far as the staged windows' high watermarks (``until``), so the mirror is the
+    collection as of the snapshot, and later writes are never streamed; no event makes a batch due, a window does."""
+    with pymongo.MongoClient(mongo_server) as client:
+        items = client[database_name]["items"]
+        items.insert_many([{"_id": i, "v": 0} for i in range(30)])
+        config, source = source_config(mongo_server, tmp_path / "lake", database_name, 1000, startup_mode="snapshot")
+        pipeline = CdcPipeline(config, source, MongoDialect(source, tmp_path / "lake" / "docs" / "_cdc"))
+        table = pipeline.prepare()[f"{database_name}.items"]
+        assert pipeline.streams_only_for_windows
+        items.update_one({"_id": 1}, {"$set": {"v": 1}})  # streamed: before the window's high watermark
+        pipeline.snapshot(spark, table, [0], "snap")
+        expected = {canonical_json(d["_id"]): canonical_json(d) for d in items.find()}
+        items.update_one({"_id": 2}, {"$set": {"v": 2}})  # after the snapshot: never streamed
+        items.insert_one({"_id": 99})
+        assert pipeline.pending_work() == "a chunk window can close"
+        stream = Stream(pipeline, spark)
+        report = stream.batch()
+        assert [r["chunk"] for r in report.reconciled] == [0] and report.changes == 1
+        assert mirror_documents(spark, pipeline, table.qualified_name) == expected
+        assert pipeline.pending_work() is None  # events wait, but nothing is streamed in this mode
+        assert stream.batch().changes == 0
+        assert mirror_documents(spark, pipeline, table.qualified_name) == expected
+        pipeline.snapshot(spark, table, [0], "again")  # a partition materialized again: read and reconciled
+        stream.batch()
+        assert_exact(spark, pipeline, items)
+
+
+def run_history_lost_scenario(spark, uri: str, database: str, tmp_path: Path) -> None:
+    """A recorded offset the oplog no longer covers (cluster time 1:0: before every oplog, so a real server refuses
+    it too), after changes the stream never read. ``on_history_lost: fail``: the batch stops naming the collection,
+    the position, the window and the ways on; nothing moves. ``resnapshot``: the batch restarts the stream at the
+    current position and records that every chunk is read again; a window read before the restart is not applied
+    (its read can predate a lost change); after every chunk is read again the mirror is exact and the marks are gone."""
+    lost = {"sec": 1, "ord": 0, "resume_token": None}
+    with pymongo.MongoClient(uri) as client:
+        items = client[database]["items"]
+        items.insert_many([{"_id": mixed_id(i), "v": "v0"} for i in range(60)])
+        config, source = source_config(uri, tmp_path / "lake", database, chunk_size=20)
+        pipeline = CdcPipeline(config, source, MongoDialect(source, tmp_path / "lake" / "docs" / "_cdc"))
+        table = pipeline.prepare()[f"{database}.items"]
+        plan = pipeline.plan(table)
+        assert len(plan.chunks) >= 2
+        pipeline.snapshot(spark, table, [c.index for c in plan.chunks], "first")
+        stream = Stream(pipeline, spark)
+        stream.catch_up()
+        assert_exact(spark, pipeline, items)
+        x, y = mixed_id(7), mixed_id(8)
+        key = id_key(x)
+        chunk = next(
+            c.index for c in plan.chunks if (c.lo is None or c.lo[0] <= key) and (c.hi is None or key < c.hi[0])
+        )
+        items.update_one({"_id": x}, {"$set": {"v": "v1"}})
+        pipeline.snapshot(spark, table, [chunk], "before-the-loss")  # reads v1; stays open
+        items.update_one({"_id": x}, {"$set": {"v": "v2"}})  # the lost changes
+        items.delete_one({"_id": y})
+        items.insert_one({"_id": "z", "v": "new"})
+        before = mirror_documents(spark, pipeline, table.qualified_name)
+        acknowledged = pipeline.lake.acknowledged()
+
+        stream.recorded = lost
+        with pytest.raises(PermanentBatchError) as info:
+            stream.batch()
+        message = str(info.value)
+        for part in ("history lost", f"{database}.items", "recorded position 1:0", "the oplog window",
+                     "offset did not move", "change_offset", "on_history_lost: resnapshot"):  # fmt: skip
+            assert part in message, (part, message)
+        assert stream.recorded == lost and pipeline.lake.acknowledged() == acknowledged
+        assert mirror_documents(spark, pipeline, table.qualified_name) == before
+        with pytest.raises(OffsetError, match=r"timestamp: '1:0' is cluster time 1:0, before the oplog window"):
+            pipeline.validate_offset({"timestamp": "1:0"})
+
+        config, source = source_config(uri, tmp_path / "lake", database, 20, mongodb={
+            "databases": [database], "on_history_lost": "resnapshot"})  # fmt: skip
+        pipeline = CdcPipeline(config, source, MongoDialect(source, tmp_path / "lake" / "docs" / "_cdc"))
+        table = pipeline.prepare()[f"{database}.items"]
+        stream = Stream(pipeline, spark)
+        stream.recorded = lost
+        report = stream.batch()
+        assert report.changes == 0 and report.resnapshot and "every chunk" in report.resnapshot
+        marker = pipeline.lake.resnapshot_markers()[table.qualified_name]
+        assert marker.position == pipeline.position(report.offset) > pipeline.position(lost)
+        # the window read before the restart (x = v1) was closable but is not applied
+        assert report.reconciled == [] and mirror_documents(spark, pipeline, table.qualified_name) == before
+        (check,) = pipeline.check_chunks(spark, table, [chunk], wait_seconds=5)
+        assert not check.conclusive and "read again" in (check.reason or ""), check
+        items.update_one({"_id": mixed_id(9)}, {"$set": {"v": "after"}})  # after the restart: streamed
+        items.delete_one({"_id": mixed_id(10)})
+        pipeline.snapshot(spark, table, [c.index for c in plan.chunks], "again")
+        items.insert_one({"_id": "late", "v": "streamed"})
+        stream.catch_up()
+        assert_exact(spark, pipeline, items)
+        assert pipeline.lake.resnapshot_markers() == {}
+
+
+def test_history_lost_stops_or_reads_every_chunk_again(
+    spark, mongo_server: str, database_name: str, tmp_path: Path
+) -> None:
+    run_history_lost_scenario(spark, mongo_server, database_name, tmp_path)

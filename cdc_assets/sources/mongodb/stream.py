@@ -20,6 +20,9 @@ Contract (``read_batch``):
   the update, not ``{_id}``) the event yields no row: a delete of that ``_id`` follows it in the stream, is
   applied, and is unsettled for every window whose low watermark precedes the update, so nothing is lost.
   delete -> ``d`` with the key alone as before image (``_cdc_before_key_only``). No pre-images.
+- ``until`` (``startup_mode: snapshot``): the bound is lowered to it, so no event after it is taken.
+- A stream the server cannot start or go on with because the oplog no longer holds its history (errors 286, 280:
+  ``history.is_history_lost``) raises ``history.HistoryLost`` naming its collection; nothing is taken.
 - ``drop``, ``rename``, ``dropDatabase`` and ``invalidate`` of a captured collection raise ``PermanentBatchError``
   naming it before anything is written (the offset does not move). The test server's ``drop`` events carry no
   ``ns`` and reach every stream of the database: one counts when the stream's collection no longer exists. A
@@ -33,19 +36,22 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pymongo
 from pymongo.change_stream import ChangeStream
+from pymongo.errors import OperationFailure
 
 from cdc_assets.source import PermanentBatchError
 from cdc_assets.sources.mongodb import client as clients
 from cdc_assets.sources.mongodb.bson_order import canonical_json
 from cdc_assets.sources.mongodb.catalog import ARROW_SCHEMA, KEY_COLUMN, CapturedCollection, document_row, id_key
+from cdc_assets.sources.mongodb.history import HistoryLost, describe_cause, is_history_lost
 from cdc_assets.sources.mongodb.watermark import format_position, position_of, timestamp_of, token_position, token_text
 
+_T = TypeVar("_T")
 REACH_SECONDS = 10.0
 MAX_AWAIT_MS = 100
 ENDING = ("drop", "rename", "dropDatabase", "invalidate")
@@ -93,6 +99,16 @@ def open_stream(client: pymongo.MongoClient, table: CapturedCollection, start: i
     )
 
 
+def _guarded(table: CapturedCollection, action: Callable[[], _T]) -> _T:
+    """``action()``, with the server's history-lost error as ``HistoryLost`` naming ``table``."""
+    try:
+        return action()
+    except OperationFailure as error:
+        if is_history_lost(error):
+            raise HistoryLost(table, describe_cause(error)) from None
+        raise
+
+
 def _token(event: Mapping[str, Any]) -> str | None:
     try:
         return token_text(event.get("_id"))
@@ -137,18 +153,22 @@ def _check_ending(client: pymongo.MongoClient, event: Event) -> None:
 def read_batch(
     client: pymongo.MongoClient, capabilities: clients.Capabilities, latest: clients.LatestEvent,
     tables: Sequence[CapturedCollection], start: int, max_changes: int, max_bytes: int, full_document: str,
-    on_bound: Callable[[int], None] | None = None,
+    on_bound: Callable[[int], None] | None = None, until: int | None = None,
 ) -> StreamBatch:  # fmt: skip
     """Events after position ``start - 1`` (see the module docstring)."""
     check_collections_exist(client, tables)
-    streams = {t.qualified_name: open_stream(client, t, start, full_document) for t in tables}
+    streams: dict[str, ChangeStream] = {}
     try:
+        for table in tables:
+            streams[table.qualified_name] = _guarded(
+                table, lambda table=table: open_stream(client, table, start, full_document)
+            )
         buffered: dict[str, list[Event]] = {name: [] for name in streams}
         order = 0
 
         def pull(name: str, table: CapturedCollection) -> Event | None:
             nonlocal order
-            raw = streams[name].try_next()
+            raw = _guarded(table, streams[name].try_next)
             if raw is None:
                 return None
             order += 1
@@ -166,6 +186,8 @@ def read_batch(
             newest = max((e.position for events in buffered.values() for e in events), default=0)
             bound = max(latest.seen, newest, start - 1)
         latest.note(bound)
+        if until is not None:
+            bound = max(min(bound, until), start - 1)
         if on_bound is not None:
             on_bound(bound)
         reached = bound
