@@ -16,7 +16,15 @@
   comes back.
 - Bad input: an unreachable server, a missing collection, an unparsable resume token, a timestamp in the future, a
   collection dropped while streaming: each a clear message; the drop moves no offset and applies nothing.
-- The gated variant runs the main scenario against a real replica set (``$CDC_TEST_MONGODB_URI``).
+- Startup modes: ``latest`` and ``timestamp`` start where they say, a timestamp before the oplog's first entry or in
+  the future is refused naming the window; ``snapshot`` reconciles its chunks and streams no further.
+- History lost (a recorded offset before the oplog's first entry, as after a truncation): the batch stops naming
+  the window and moves nothing, or with ``on_history_lost: resnapshot`` restarts and every chunk is read again, a
+  window read before the restart never applied; the mirror ends exact.
+- The Dagster glue: definitions, a batch's offset, ``change_offset`` refused or moved back (the acknowledged position
+  follows); the planner in ``latest`` mode and after lost history; the stream sensor in ``snapshot`` mode.
+- The gated variant runs the main, the startup and the history-lost scenarios against a real replica set
+  (``$CDC_TEST_MONGODB_URI``).
 """
 
 from __future__ import annotations
@@ -42,6 +50,7 @@ from pyspark.sql import functions as F
 
 from cdc_assets.config import CdcConfig, SourceConfig, parse_config
 from cdc_assets.dialect import OffsetError
+from cdc_assets.lake.layout import SourceLake
 from cdc_assets.pipeline import CdcPipeline
 from cdc_assets.source import PermanentBatchError, SourceError
 from cdc_assets.sources.mongodb.bson_order import canonical_json, from_canonical_json
@@ -49,6 +58,7 @@ from cdc_assets.sources.mongodb.catalog import CapturedCollection, id_key
 from cdc_assets.sources.mongodb.client import CommandAudit, is_write, read_audit
 from cdc_assets.sources.mongodb.dialect import MongoDialect, MongoWindow
 from cdc_assets.sources.mongodb.watermark import MongoSettledRule
+from resources.cdc import CdcResource
 from tests.pipeline_support import KILLS, FaultPoints, Killed, Stream
 
 
@@ -369,13 +379,20 @@ def test_bad_input_gives_clear_messages(spark, mongo_server: str, database_name:
 
 
 def test_on_a_real_replica_set(spark, real_mongodb: str, tmp_path: Path, faults: FaultPoints) -> None:
-    """Gated (``$CDC_TEST_MONGODB_URI``): the main scenario against a real replica set or ``mongos``."""
-    name = f"cdc_{uuid.uuid4().hex[:10]}"
+    """Gated (``$CDC_TEST_MONGODB_URI``): the main, the startup and the history-lost scenarios against a real replica
+    set or ``mongos`` (there, the recorded offset 1:0 is refused by the server itself, error 286, where the source's
+    user may not read ``local.oplog.rs``; the window's start is then found by change-stream probes)."""
+    names = [f"cdc_{uuid.uuid4().hex[:10]}" for _ in range(3)]
+    for folder in ("main", "startup", "lost"):
+        (tmp_path / folder).mkdir()
     try:
-        run_main_scenario(spark, real_mongodb, name, tmp_path, faults)
+        run_main_scenario(spark, real_mongodb, names[0], tmp_path / "main", faults)
+        run_startup_scenario(spark, real_mongodb, names[1], tmp_path / "startup", test_server=False)
+        run_history_lost_scenario(spark, real_mongodb, names[2], tmp_path / "lost")
     finally:
         with pymongo.MongoClient(real_mongodb) as client:
-            client.drop_database(name)
+            for name in names:
+                client.drop_database(name)
 
 
 def test_discovery_by_patterns_and_names(mongo_server: str, database_name: str, tmp_path: Path) -> None:
@@ -403,7 +420,9 @@ def test_the_dagster_glue_runs_a_mongodb_source(
 ) -> None:
     """The same Dagster definitions as for PostgreSQL: a chunk-partitioned asset per collection (its real name in
     ``mongodb_collection``), the stream asset recording a batch's offset with MongoDB's fields, and the
-    ``change_offset`` job validated by the MongoDB dialect (a timestamp in the future refused naming the field)."""
+    ``change_offset`` job validated by the MongoDB dialect (a timestamp in the future or before the oplog window
+    refused naming the field, nothing moved; one back inside the window recorded, the acknowledged position following
+    it back, the events after it read again and nothing appended twice)."""
     from dagster import DagsterInstance, materialize
 
     from cdc_assets.assets import recorded_offset, stream_asset_key, table_asset_key
@@ -426,7 +445,7 @@ def test_the_dagster_glue_runs_a_mongodb_source(
     assert assets[table_key].metadata_by_key[table_key]["mongodb_collection"] == f"{database_name}.orders"
     instance = DagsterInstance.ephemeral()
     with pymongo.MongoClient(mongo_server) as client:
-        client[database_name]["orders"].insert_one({"_id": 99, "n": 99})
+        client[database_name]["orders"].insert_many([{"_id": 98, "n": 98}, {"_id": 99, "n": 99}])
     result = materialize([assets[stream_asset_key("docs")]], resources=defs.resources, instance=instance)
     assert result.success
     offset = recorded_offset(instance, "docs")
@@ -441,14 +460,110 @@ def test_the_dagster_glue_runs_a_mongodb_source(
     assert "timestamp" in str(refused.all_events) and "in the future" in str(refused.all_events)
     assert recorded_offset(instance, "docs") == offset  # nothing moved
 
+    # back inside the oplog window: recorded, and the lake's acknowledged position follows it backwards (as it
+    # follows every recorded offset, PostgreSQL's too: CdcPipeline.acknowledge), so the events after it wait again
+    lake = SourceLake(tmp_path / "lake", "docs")
+    pipeline = CdcResource(config_path=str(path)).pipeline("docs")
+    assert lake.acknowledged() == pipeline.position(offset) and pipeline.pending_work() is None
+    with pymongo.MongoClient(mongo_server) as client:
+        second = cluster_times(client[database_name]["orders"])[5]  # the insert of 98
+    moved = job.execute_in_process(
+        run_config={"ops": {"docs_record_offset": {"config": {
+            "timestamp": f"{second.time}:{second.inc}", "changed_by": "test", "reason": "replay"}}}},
+        resources=defs.resources, instance=instance,
+    )  # fmt: skip
+    assert moved.success
+    back = recorded_offset(instance, "docs")
+    assert back is not None and (back["sec"], back["ord"]) == (second.time, second.inc)
+    assert lake.acknowledged() == pipeline.position(back) < pipeline.position(offset)
+    assert pipeline.pending_work() == "change events wait after the recorded position"
+    replay = materialize([assets[stream_asset_key("docs")]], resources=defs.resources, instance=instance)
+    assert replay.success
+    assert lake.acknowledged() == pipeline.position(recorded_offset(instance, "docs")) == pipeline.position(offset)
+    changelog = spark.read.format("delta").load(lake.table(f"{database_name}.orders").changelog)
+    assert changelog.count() == 2 and pipeline.pending_work() is None  # the replay appended nothing twice
+    first = first_oplog_entry(mongo_server)
+    before = job.execute_in_process(
+        run_config={"ops": {"docs_record_offset": {"config": {
+            "timestamp": f"{first.time - 1}", "changed_by": "test", "reason": "too far"}}}},
+        resources=defs.resources, instance=instance, raise_on_error=False,
+    )  # fmt: skip
+    assert not before.success and "before the oplog window" in str(before.all_events)
+    assert lake.acknowledged() == pipeline.position(offset)
+
+
+def test_the_planner_and_the_stream_sensor_follow_the_startup_mode_and_lost_history(
+    mongo_server: str, database_name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``latest``: the planner adds the chunk partitions and requests no snapshot, saying why; a table marked to be
+    read again (lost history) gets every chunk requested once, whatever the mode. ``snapshot``: the stream sensor
+    requests a run only when a staged window can close."""
+    from dagster import DagsterInstance, build_sensor_context
+
+    from cdc_assets.assets import chunk_partitions
+    from cdc_assets.build import build_definitions
+
+    with pymongo.MongoClient(mongo_server) as client:
+        client[database_name]["orders"].insert_many([{"_id": i} for i in range(25)])
+    monkeypatch.setenv("CDC_TEST_URI", mongo_server)
+    name = f"{database_name}.orders"
+
+    def definitions(mode: str):
+        path = tmp_path / f"{mode}.yaml"
+        path.write_text(
+            f"lake_root: {tmp_path / mode}\n"
+            "sources:\n"
+            "  - name: docs\n    kind: mongodb\n    connection: {uri: '${CDC_TEST_URI}'}\n"
+            f"    include: ['{database_name}.*']\n    mongodb: {{databases: [{database_name}]}}\n"
+            f"    chunk_size: 10\n    startup_mode: {mode}\n"
+        )
+        return build_definitions(path), SourceLake(tmp_path / mode, "docs")
+
+    defs, lake = definitions("latest")
+    planner = next(s for s in defs.sensors if s.name == "docs_planner_sensor")
+    instance = DagsterInstance.ephemeral()
+
+    def tick(sensor, cursor: str | None = None):
+        with build_sensor_context(instance=instance, resources=defs.resources, definitions=defs, cursor=cursor) as c:
+            return sensor.evaluate_tick(c)
+
+    first = tick(planner)
+    keys = [key for request in first.dynamic_partitions_requests for key in request.partition_keys]
+    assert len(keys) >= 2 and first.run_requests == []
+    instance.add_dynamic_partitions(chunk_partitions("docs", name).name, keys)
+    quiet = tick(planner, first.cursor)
+    assert quiet.run_requests == [] and "startup_mode is 'latest': no snapshot is requested" in quiet.skip_message
+    lake.mark_resnapshot(name, 12345 << 32, "history lost: the stream restarted at 12345:0")
+    lost = tick(planner, quiet.cursor)
+    kind = f"resnapshot@{12345 << 32}:{name}:"
+    assert lost.run_requests and all(r.run_key.startswith(kind) for r in lost.run_requests)
+    requested = {(r.tags["dagster/asset_partition_range_start"], r.tags["dagster/asset_partition_range_end"])
+                 for r in lost.run_requests}  # fmt: skip
+    assert min(s for s, _ in requested) == keys[0] and max(e for _, e in requested) == keys[-1]
+    assert all("history lost" in r.tags["cdc/reason"] for r in lost.run_requests)
+    assert tick(planner, lost.cursor).run_requests == []  # requested once per marker
+
+    defs, lake = definitions("snapshot")
+    stream_sensor = next(s for s in defs.sensors if s.name == "docs_stream_sensor")
+    idle = tick(stream_sensor)
+    assert idle.run_requests == [] and "no staged chunk waits for the stream" in idle.skip_message
+    lake.mark_waiting(name, 0, 1)  # a staged window whose high watermark the source has passed
+    due = tick(stream_sensor)
+    [request] = due.run_requests
+    assert request.tags["cdc/reason"].startswith("startup_mode is 'snapshot': a chunk window can close")
+    assert due.asset_events == []  # no lag is recorded in this mode
+
 
 def cluster_times(collection: pymongo.collection.Collection) -> list[Timestamp]:
-    """The cluster times of the collection's change events so far, in order."""
-    with collection.watch(start_at_operation_time=Timestamp(1, 1)) as events:
+    """The cluster times of the collection's change events so far, in order (read from the oplog's first entry:
+    a real server refuses an older start)."""
+    start = collection.database.client.local["oplog.rs"].find_one({}, sort=[("$natural", 1)])["ts"]
+    with collection.watch(start_at_operation_time=start) as events:
         return [event["clusterTime"] for event in iter(events.try_next, None)]
 
 
 def first_oplog_entry(uri: str) -> Timestamp:
+    """The first entry of the oplog (the tests' users may read ``local``; the source's need not)."""
     with pymongo.MongoClient(uri) as client:
         return client.local["oplog.rs"].find_one({}, sort=[("$natural", 1)])["ts"]
 
@@ -459,6 +574,10 @@ def mirror_documents(spark, pipeline: CdcPipeline, name: str) -> dict[str, str]:
 
 
 def test_startup_modes_latest_and_timestamp(spark, mongo_server: str, database_name: str, tmp_path: Path) -> None:
+    run_startup_scenario(spark, mongo_server, database_name, tmp_path, test_server=True)
+
+
+def run_startup_scenario(spark, mongo_server: str, database_name: str, tmp_path: Path, test_server: bool) -> None:
     """``latest``: the stream starts at the position of the first discovery (older documents are not read);
     ``timestamp``: it starts just after the given cluster time; a timestamp before the oplog's first entry (the test
     server's oplog is never truncated and readable as ``local.oplog.rs``) or in the future is refused naming the
@@ -487,10 +606,12 @@ def test_startup_modes_latest_and_timestamp(spark, mongo_server: str, database_n
 
         first = first_oplog_entry(mongo_server)
         before = f"{first.time - 1}:7"
+        window = "allowed: a cluster time from "  # a real server's user may not read local: found by probes
+        if test_server:
+            window = rf"its first entry is {first.time}:{first.inc}, read from local\.oplog\.rs.*{window}"
+            window += rf"{first.time}:{first.inc - 1} to "
         for given, refusal in (
-            (before, rf"startup_timestamp: '{before}' is cluster time {before}, before the oplog window: .*its first "
-                     rf"entry is {first.time}:{first.inc}, read from local\.oplog\.rs.*allowed: a cluster time from "
-                     rf"{first.time}:{first.inc - 1} to "),
+            (before, rf"startup_timestamp: '{before}' is cluster time {before}, before the oplog window: .*{window}"),
             ("4102444800", r"startup_timestamp: '4102444800' is cluster time 4102444800:0, in the future"),
         ):  # fmt: skip
             lake = tmp_path / f"refused-{given.replace(':', '-')}"
