@@ -3,8 +3,8 @@
 Contract:
 - A ``ChunkWindow`` is one attempt at reading one chunk: the low watermark (``low_watermark``: the source's text
   of it, opaque here and read by the source's ``SettledRule``, ``cdc_assets.lake.settled``; PostgreSQL: the
-  ``pg_current_snapshot()`` text; and ``lw_lsn``, the source's position taken just before it: recorded for
-  diagnosis only), and the high watermark ``hw`` (a position of the change stream).
+  ``pg_current_snapshot()`` text; and ``lw_lsn``, the source's position taken just before it: for diagnosis, and
+  for the re-snapshot rule below), and the high watermark ``hw`` (a position of the change stream).
 - The window log holds events ``staged`` (an attempt's rows are in staging) and ``reconciled`` (that attempt was
   applied to the mirror). ``open_windows(events)``: for each chunk, its latest staged attempt, unless that attempt is
   reconciled. An older attempt is superseded by a newer one (a re-materialized partition) and never applied.
