@@ -53,11 +53,12 @@ from cdc_assets.dialect import OffsetError
 from cdc_assets.lake.layout import SourceLake
 from cdc_assets.pipeline import CdcPipeline
 from cdc_assets.source import PermanentBatchError, SourceError
+from cdc_assets.sources.mongodb import history
 from cdc_assets.sources.mongodb.bson_order import canonical_json, from_canonical_json
 from cdc_assets.sources.mongodb.catalog import CapturedCollection, id_key
 from cdc_assets.sources.mongodb.client import CommandAudit, is_write, read_audit
 from cdc_assets.sources.mongodb.dialect import MongoDialect, MongoWindow
-from cdc_assets.sources.mongodb.watermark import MongoSettledRule
+from cdc_assets.sources.mongodb.watermark import MongoSettledRule, position_of
 from resources.cdc import CdcResource
 from tests.pipeline_support import KILLS, FaultPoints, Killed, Stream
 
@@ -651,6 +652,21 @@ def test_snapshot_mode_reconciles_its_chunks_and_streams_no_further(
         pipeline.snapshot(spark, table, [0], "again")  # a partition materialized again: read and reconciled
         stream.batch()
         assert_exact(spark, pipeline, items)
+
+
+def test_the_oplog_window_of_the_test_server(mongo_server: str, database_name: str) -> None:
+    """No Spark: the window's start is the first entry of ``local.oplog.rs``; the change-stream probe the source falls
+    back to where ``local`` cannot be read accepts any start on the test server (its oplog is never truncated), so
+    there only the window check refuses a start before it."""
+    with pymongo.MongoClient(mongo_server) as client:
+        client[database_name]["items"].insert_one({"_id": 1})
+        first = position_of(client.local["oplog.rs"].find_one({}, sort=[("$natural", 1)])["ts"])
+        table = CapturedCollection(database_name, "items")
+        window = history.read_window(client, table, first + 5)
+        assert (window.first, window.earliest, window.current, window.how) == (first, first - 1, first + 5,
+                                                                               "local.oplog.rs")  # fmt: skip
+        assert window.reaches(first - 1) and not window.reaches(first - 2)
+        assert history.probe_start(client, table, (1 << 32) | 1) and history.probe_start(client, table, first + 5)
 
 
 def run_history_lost_scenario(spark, uri: str, database: str, tmp_path: Path) -> None:

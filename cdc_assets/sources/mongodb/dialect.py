@@ -19,7 +19,7 @@ Contract:
   applied position's cluster time: every event at or before it is applied) and ``resume_token`` (the token of the
   last applied event, the test server's form of the position when none is known), plus ``position``.
   ``position(offset)`` is ``(sec << 32) | ord``. ``bounded_reads``: it takes ``until`` (no event after it is read;
-  at or before the start: no server call at all).
+  at or before the start: no stream is opened).
 - History lost: the start is before the oplog's first entry (``local.oplog.rs``, where the user may read it), or the
   server refuses a stream with error 286/280 (``history.HistoryLost``). With ``mongodb.on_history_lost: fail`` (the
   default) the batch raises ``PermanentBatchError`` naming the collections, the recorded position, the oplog window
@@ -243,17 +243,31 @@ class MongoDialect:
         return self._call("reading the oplog window", lambda: history.read_window(self.client, probe, current))
 
     def _refusal(self, field: str, text: str, position: int) -> str | None:
-        """Why a stream cannot start after ``position`` (a requested offset or start), or None."""
+        """Why a stream cannot start after ``position`` (a requested offset or start), or None. A start the server
+        may take costs one read of the oplog's first entry or one probe; the window's bounds (for the message, by
+        probes where ``local`` cannot be read) are found only for a refusal."""
+        current = self.current_position()
+        future = position > current or timestamp_of(position).time > int(datetime.now(UTC).timestamp())
+        if not future:
+            first = self._first_oplog_entry()
+            tables = self._captured()
+            if first is not None:
+                reachable = position >= first - 1
+            elif tables:
+                reachable = self._call(
+                    "probing the oplog", lambda: history.probe_start(self.client, tables[0], position + 1)
+                )
+            else:
+                reachable = True  # nothing captured, nothing to miss
+            if reachable:
+                return None
         window = self.oplog_window()
-        now = int(datetime.now(UTC).timestamp())
-        if position > window.current or timestamp_of(position).time > now:
+        if future:
             return (
                 f"{field}: {text!r} is cluster time {format_position(position)}, in the future: the server is at "
-                f"{format_position(window.current)}; allowed: {window.allowed()}"
+                f"{format_position(current)}; allowed: {window.allowed()}"
             )
-        if window.reaches(position) is False:
-            return history.unreachable_message(field, text, position, window)
-        return None
+        return history.unreachable_message(field, text, position, window)
 
     # -- tables ----------------------------------------------------------------------------------------------
     def discover(self) -> tuple[list[CapturedCollection], list[SkippedCollection]]:
