@@ -88,6 +88,15 @@ def lake_pool(source: str) -> str:
     return f"cdc_lake_writes_{source}"
 
 
+STARTUP_NOTES = {
+    "latest": " startup_mode latest: no snapshot is requested; the mirror holds what the stream applied since the "
+    "source was first discovered (materialize partitions to read chunks).",
+    "timestamp": " startup_mode timestamp: no snapshot is requested; the mirror holds what the stream applied after "
+    "startup_timestamp (materialize partitions to read chunks).",
+    "snapshot": " startup_mode snapshot: the chunks are read and reconciled; the stream goes no further than that.",
+}
+
+
 def build_table_asset(source: SourceConfig, qualified_name: str) -> AssetsDefinition:
     key = table_asset_key(source.name, qualified_name)
 
@@ -99,7 +108,8 @@ def build_table_asset(source: SourceConfig, qualified_name: str) -> AssetsDefini
         required_resource_keys={"cdc"},
         group_name=source.name,
         kinds={source.kind, "spark", "delta"},
-        description=f"Delta mirror of {qualified_name}; one partition per primary-key chunk (snapshot + reconcile).",
+        description=f"Delta mirror of {qualified_name}; one partition per primary-key chunk (snapshot + reconcile)."
+        + STARTUP_NOTES.get(source.startup_mode, ""),
         metadata={table_metadata_key(source): qualified_name},
     )
     def table_chunks(context: AssetExecutionContext) -> MaterializeResult:
@@ -311,6 +321,8 @@ def build_stream_asset(source: SourceConfig, table_names: list[str]) -> AssetsDe
         while True:
             report = pipeline.stream_batch(spark, recorded, context.run.run_id)
             context.log.info(batch_log_line(report))
+            if report.resnapshot:
+                context.log.warning(report.resnapshot)
             for item in report.reconciled:
                 yield AssetObservation(
                     asset_key=table_asset_key(source.name, item["table"]),
@@ -381,6 +393,8 @@ def batch_log_line(report: StreamReport) -> str:
         f"tables: {tables}; lag {report.lag_bytes} bytes, {lag_seconds:.1f} s; {phases}; "
         f"{len(report.reconciled)} chunks reconciled, {report.waiting_windows} waiting"
     )
+    if report.resnapshot:
+        line += "; HISTORY LOST: the stream restarted here and every chunk is read again"
     bounds = report.bounds
     if bounds.get("shrunk"):
         line += (
@@ -419,6 +433,8 @@ def batch_metadata(report: StreamReport) -> dict[str, object]:
         # selected tables that are not captured: their changes are not applied (name -> reason and fix)
         "skipped_tables": MetadataValue.json(report.skipped_tables),
         **{f"seconds_{phase}": seconds for phase, seconds in report.phase_seconds.items()},
+        # the source lost changes before this batch: why, and that every chunk is read again (else absent)
+        **({"history_lost": MetadataValue.text(report.resnapshot)} if report.resnapshot else {}),
     }
 
 

@@ -8,10 +8,16 @@ environment (``${...}``); its value never appears in ``repr``, messages or metad
 Per kind: a ``postgres`` source has a ``PostgresConnection`` (host, port, dbname, user, password) and a ``slot`` and
 ``publication``; a ``mongodb`` source has a ``MongoConnection`` (``uri``: the connection string, only from the
 environment, as it may hold credentials; kept as a ``Secret``) and ``mongodb`` options (``MongoOptions``:
-``databases`` to list collections in, ``full_document`` mode), no slot or publication (the keys are refused for it,
-naming the allowed ones). Both kinds share ``include``/``exclude`` (``fnmatch`` patterns over ``schema.table``, for
-MongoDB ``database.collection``), ``tables``, ``chunk_size``, ``read_parallelism``, ``startup_mode`` (MongoDB:
-``initial`` only so far), ``stream`` and ``checks``.
+``databases`` to list collections in, ``full_document`` mode, ``on_history_lost``: ``fail`` or ``resnapshot``), no
+slot or publication (the keys are refused for it, naming the allowed ones). Both kinds share ``include``/``exclude``
+(``fnmatch`` patterns over ``schema.table``, for MongoDB ``database.collection``), ``tables``, ``chunk_size``,
+``read_parallelism``, ``startup_mode``, ``stream`` and ``checks``.
+
+Startup modes (Flink CDC's): ``initial`` (snapshot every chunk, stream from the start), ``latest`` (no snapshot is
+requested; stream from the position when the source is first discovered), ``snapshot`` (snapshot every chunk, no
+streaming beyond what the snapshot windows need), ``timestamp`` (MongoDB only: no snapshot; stream the changes after
+the cluster time ``startup_timestamp``, ``SEC`` or ``SEC:ORD``; PostgreSQL refuses it: a slot cannot start in the
+past). ``startup_timestamp`` is required with ``timestamp`` and refused with any other mode.
 
 See ``cdc.yaml`` at the repository root for a documented example.
 """
@@ -33,7 +39,9 @@ SOURCE_KINDS = ("postgres", "mongodb")
 # change-stream fullDocument modes the MongoDB source supports: the document looked up when the event is read
 # (post-images, "whenAvailable"/"required" on MongoDB 6.0+, are not supported yet)
 MONGODB_FULL_DOCUMENT_MODES = ("updateLookup",)
-MONGODB_STARTUP_MODES = ("initial",)
+# what a MongoDB source does when the oplog no longer holds every change after its recorded position
+MONGODB_ON_HISTORY_LOST = ("fail", "resnapshot")
+MAX_UINT32 = (1 << 32) - 1
 _ENV_REFERENCE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
 _IDENTIFIER = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
 
@@ -124,11 +132,14 @@ class MongoConnection:
 @dataclass(frozen=True)
 class MongoOptions:
     """What only a MongoDB source has: the databases whose collections ``include``/``exclude`` choose from (empty:
-    every database the user may list, except ``admin``, ``local`` and ``config``), and the change stream's
-    ``fullDocument`` mode."""
+    every database the user may list, except ``admin``, ``local`` and ``config``), the change stream's
+    ``fullDocument`` mode, and what to do when the oplog lost changes the stream still needs (``on_history_lost``:
+    ``fail`` stops the stream naming the oplog window; ``resnapshot`` restarts it at the current position and has
+    every chunk of every captured collection read again)."""
 
     databases: tuple[str, ...] = ()
     full_document: str = "updateLookup"
+    on_history_lost: str = "fail"
 
 
 @dataclass(frozen=True)
@@ -188,6 +199,7 @@ class SourceConfig:
     stream: StreamConfig
     checks: ChecksConfig = ChecksConfig()
     mongodb: MongoOptions | None = None  # set exactly for kind mongodb
+    startup_timestamp: str | None = None  # SEC or SEC:ORD, exactly with startup_mode timestamp
 
 
 @dataclass(frozen=True)
@@ -252,7 +264,7 @@ def _spark(raw: Any, environ: Any) -> SparkConfig:
 
 _SOURCE_KEYS = {
     "name", "kind", "connection", "slot", "publication", "startup_mode", "chunk_size", "read_parallelism",
-    "tables", "include", "exclude", "stream", "checks",
+    "tables", "include", "exclude", "stream", "checks", "startup_timestamp",
 }  # fmt: skip
 _MONGODB_SOURCE_KEYS = (_SOURCE_KEYS - {"slot", "publication"}) | {"mongodb"}
 
@@ -272,11 +284,7 @@ def _source(raw: Any, where: str, environ: Any) -> SourceConfig:
             f"{where}.startup_mode: 'timestamp' is not possible for PostgreSQL: a replication slot cannot start "
             "in the past; use 'initial' (snapshot, then stream) or 'latest' (stream from now)"
         )
-    if kind == "mongodb" and mode not in MONGODB_STARTUP_MODES:
-        raise ConfigError(
-            f"{where}.startup_mode: {mode!r} is not implemented for MongoDB yet; allowed: "
-            f"{', '.join(MONGODB_STARTUP_MODES)}"
-        )
+    startup_timestamp = _startup_timestamp(source.get("startup_timestamp"), mode, f"{where}.startup_timestamp")
     tables = tuple(_table(t, f"{where}.tables[{i}]") for i, t in enumerate(source.get("tables") or []))
     include = tuple(_string(p, f"{where}.include") for p in source.get("include") or [])
     exclude = tuple(_string(p, f"{where}.exclude") for p in source.get("exclude") or [])
@@ -307,7 +315,29 @@ def _source(raw: Any, where: str, environ: Any) -> SourceConfig:
         stream=_stream(source.get("stream") or {}, f"{where}.stream"),
         checks=_checks(source.get("checks") or {}, f"{where}.checks"),
         mongodb=mongodb,
+        startup_timestamp=startup_timestamp,
     )
+
+
+def _startup_timestamp(raw: Any, mode: str, where: str) -> str | None:
+    """The cluster time of ``startup_mode: timestamp`` as ``SEC`` or ``SEC:ORD`` text (checked here for its form;
+    whether the oplog still holds it is asked of the server when the stream start is fixed)."""
+    forms = "SEC or SEC:ORD (a cluster time's seconds and increment, decimal; quote SEC:ORD in YAML)"
+    if mode != "timestamp":
+        if raw is not None:
+            raise ConfigError(f"{where}: only read with startup_mode: timestamp (the mode is {mode!r}); remove it")
+        return None
+    if raw is None:
+        raise ConfigError(f"{where}: required with startup_mode: timestamp; allowed: {forms}")
+    if isinstance(raw, int) and not isinstance(raw, bool):
+        if not 0 <= raw <= MAX_UINT32:  # YAML 1.1 reads an unquoted 1700000000:5 as a base-60 integer
+            raise ConfigError(f"{where}: {raw!r} is not {forms}")
+        return str(raw)
+    text = str(raw).strip() if isinstance(raw, str) else ""
+    parts = text.split(":")
+    if not text or len(parts) > 2 or not all(p.isdigit() and int(p) <= MAX_UINT32 for p in parts):
+        raise ConfigError(f"{where}: {raw!r} is not {forms}")
+    return text
 
 
 def _mongo_connection(raw: Any, where: str, environ: Any) -> MongoConnection:
@@ -339,7 +369,7 @@ def _mongo_connection(raw: Any, where: str, environ: Any) -> MongoConnection:
 
 
 def _mongo_options(raw: Any, where: str) -> MongoOptions:
-    options = _mapping(raw, where, {"databases", "full_document"})
+    options = _mapping(raw, where, {"databases", "full_document", "on_history_lost"})
     databases = options.get("databases") or []
     if isinstance(databases, str):
         databases = [databases]
@@ -350,7 +380,16 @@ def _mongo_options(raw: Any, where: str) -> MongoOptions:
         raise ConfigError(
             f"{where}.full_document: {mode!r} is not supported; allowed: {', '.join(MONGODB_FULL_DOCUMENT_MODES)}"
         )
-    return MongoOptions(databases=tuple(_string(d, f"{where}.databases") for d in databases), full_document=str(mode))
+    on_history_lost = options.get("on_history_lost", "fail")
+    if on_history_lost not in MONGODB_ON_HISTORY_LOST:
+        raise ConfigError(
+            f"{where}.on_history_lost: {on_history_lost!r} is not allowed; allowed: "
+            f"{', '.join(MONGODB_ON_HISTORY_LOST)}"
+        )
+    return MongoOptions(
+        databases=tuple(_string(d, f"{where}.databases") for d in databases), full_document=str(mode),
+        on_history_lost=str(on_history_lost),
+    )  # fmt: skip
 
 
 def _connection(raw: Any, where: str, environ: Any) -> PostgresConnection:

@@ -17,7 +17,12 @@ only in ``acknowledge``).
 - ``read_batch(recorded, spill_dir, max_changes, max_bytes)``: one bounded batch of changes after the recorded
   offset (``None``: from where the source holds changes for us), spilled under ``spill_dir`` (``ChangeBatch``). It
   stops at a transaction boundary; a single transaction larger than a bound is read whole. It may first make the
-  source forget what the recorded offset covers (it was recorded, so it is applied), never more.
+  source forget what the recorded offset covers (it was recorded, so it is applied), never more. A dialect whose
+  ``bounded_reads`` is True also takes ``until``: no change after that position is read (``startup_mode:
+  snapshot``: the stream goes only as far as the staged windows and waiting checks need). When the source no longer
+  holds the changes after the recorded offset and the source is configured to re-snapshot then, the batch holds no
+  change, its offset is the source's current position and ``resnapshot`` says why: the pipeline then records that
+  every chunk of every captured table must be read again after that position (``SourceLake.mark_resnapshot``).
 - ``position(offset)``: the ordered integer position of a recorded offset (``_cdc_position`` of the changes it
   covers); ``format_position(position)``: its text for people (PostgreSQL: ``X/Y``).
 - ``acknowledge(offset)`` lets the source forget changes up to a recorded offset and returns the position the
@@ -80,7 +85,9 @@ class TableChanges:
 class ChangeBatch:
     """One bounded batch: every change at or before ``applied`` (a position) that the source holds for us is in this
     batch or an earlier one. ``offset``: what to record (field names of Debezium's offsets). ``cut``: a bound cut the
-    batch (more was waiting). ``lag_bytes``: how much the source holds after it."""
+    batch (more was waiting). ``lag_bytes``: how much the source holds after it. ``resnapshot``: the changes between
+    the recorded offset and ``applied`` are lost at the source (the batch holds none of them): every chunk of every
+    captured table must be read again in windows after ``applied``; the text says why."""
 
     applied: int
     offset: dict[str, object]
@@ -91,6 +98,7 @@ class ChangeBatch:
     cut: bool
     last_commit_ts: datetime | None
     lag_bytes: int
+    resnapshot: str | None = None
 
 
 class WindowSession(Protocol[TableT]):

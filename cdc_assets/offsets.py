@@ -4,8 +4,11 @@ Contract: the job hands the requested fields to the source's dialect, which vali
 (``cdc_assets.dialect.SourceDialect.validate_offset``; PostgreSQL: ``lsn`` in ``X/Y`` form, not behind the slot's
 ``confirmed_flush_lsn``, not ahead of the server's flush LSN) and returns the offset to record; the job runs in the
 source's lake-write pool (so no batch runs at the same time) and records that offset as a materialization of the
-stream asset with who and why. The next batch starts from it. Invalid input fails with a message naming the field
-and the allowed values; nothing moves.
+stream asset with who and why. The next batch starts from it. Once recorded, the offset is acknowledged
+(``CdcSource.acknowledge``, as the stream asset does after a batch): the source may forget what it covers
+(PostgreSQL: the slot follows it now rather than at the next batch) and the lake's acknowledged position follows it,
+backwards too (MongoDB may move back inside the oplog window; its ``pending`` then sees the events after it). Invalid
+input fails with a message naming the field and the allowed values; nothing moves.
 """
 
 from dagster import AssetMaterialization, Config, JobDefinition, OpExecutionContext, job, op
@@ -35,13 +38,15 @@ def requested_fields(config: ChangeOffsetConfig) -> dict[str, str]:
 def build_change_offset_job(source_name: str) -> JobDefinition:
     @op(name=f"{source_name}_record_offset", required_resource_keys={"cdc"}, pool=lake_pool(source_name))
     def change_offset(context: OpExecutionContext, config: ChangeOffsetConfig) -> None:
-        offset = context.resources.cdc.pipeline(source_name).validate_offset(requested_fields(config))
+        pipeline = context.resources.cdc.pipeline(source_name)
+        offset = pipeline.validate_offset(requested_fields(config))
         context.log_event(
             AssetMaterialization(
                 asset_key=stream_asset_key(source_name),
                 metadata={**offset, "changed_by": config.changed_by, "reason": config.reason},
             )
         )
+        pipeline.acknowledge(offset)  # recorded (the event is stored when logged): the source may forget up to it
 
     @job(name=change_offset_job_name(source_name), description="Validate and record a new stream offset (DDD-4).")
     def change_offset_job() -> None:

@@ -23,9 +23,20 @@ differs (``cdc_assets.dialect.SourceDialect``); everything below is the same for
   permanent (a smaller batch fails the same way) or ``StagedRowsMismatch`` keep the bounds and are raised as they
   are. A table's part of a batch larger than one spill part runs without automatic broadcast joins, with input
   partitions of ``spill_bytes`` and its rows persisted on disk (``big_batch_conf``).
+  A batch whose dialect reports the source's history lost (``ChangeBatch.resnapshot``) first records, for every
+  captured table, that every chunk must be read again after the batch's position (``SourceLake.mark_resnapshot``;
+  before the caller records the offset, so a run killed in between only records it again, later). While a table
+  has that marker, no window of it whose reads started before the marker's position is applied
+  (``engine.windows.read_before``), and the marker is removed once every chunk of the table has a reconciled window
+  read after it; its consistency checks are inconclusive until then.
+- ``startup_mode: snapshot`` with a dialect that bounds its reads (``bounded_reads``; MongoDB): a batch reads no
+  change after the highest high watermark of the staged windows and waiting checks (none waiting: no change at
+  all), so the snapshot is reconciled and the stream goes no further (``streams_only_for_windows``).
 - ``pending_work()`` says whether a batch is due (the streaming sensor and a long-lived stream run poll it); reads
   no Delta table. ``lag()`` is the dialect's.
-- ``acknowledge(offset)`` is the dialect's; call it only after the offset is recorded.
+- ``acknowledge(offset)`` is the dialect's; call it only after the offset is recorded (a batch's, or one the
+  ``change_offset`` job recorded). The lake's acknowledged position then follows the recorded offset, backwards
+  too.
 """
 
 from __future__ import annotations
@@ -52,7 +63,16 @@ from cdc_assets.dialect import Offset, SourceDialect
 from cdc_assets.engine.batch_bounds import BatchBounds, after_failure, after_success, recover_in_flight, with_in_flight
 from cdc_assets.engine.chunks import Chunk, ChunkPlan
 from cdc_assets.engine.faults import fault_point, size_fault
-from cdc_assets.engine.windows import FILL_CHUNK, RECONCILED, ChunkWindow, closable, open_windows
+from cdc_assets.engine.windows import (
+    FILL_CHUNK,
+    RECONCILED,
+    ChunkWindow,
+    WindowEvent,
+    closable,
+    open_windows,
+    read_before,
+    resnapshot_done,
+)
 from cdc_assets.lake import staging
 from cdc_assets.lake import windows as window_log
 from cdc_assets.lake.layout import SourceLake
@@ -295,7 +315,16 @@ class CdcPipeline(Generic[TableT]):
     ) -> StreamReport:  # fmt: skip
         tables = self.tables
         settings = self.source.stream
-        batch = self.dialect.read_batch(recorded, tables, spill_dir, bounds.max_changes, bounds.max_bytes)
+        if self.streams_only_for_windows:
+            until = max([*self.lake.waiting_markers().values(), *self.lake.check_markers()], default=0)
+            batch = self.dialect.read_batch(
+                recorded, tables, spill_dir, bounds.max_changes, bounds.max_bytes, until=until,  # type: ignore[call-arg]
+            )  # fmt: skip
+        else:
+            batch = self.dialect.read_batch(recorded, tables, spill_dir, bounds.max_changes, bounds.max_bytes)
+        if batch.resnapshot is not None:  # recorded before the offset is: a kill in between records it again
+            for name in tables:
+                self.lake.mark_resnapshot(name, batch.applied, batch.resnapshot)
         progress.changes, progress.bytes, progress.transactions = batch.changes, batch.bytes, batch.transactions
         progress.cut = batch.cut
         self.store_bounds(with_in_flight(bounds, batch.changes, batch.bytes))
@@ -366,7 +395,14 @@ class CdcPipeline(Generic[TableT]):
             phase_seconds={k: round(v, 3) for k, v in phases.items()},
             skipped_tables={t.qualified_name: f"{t.reason}; fix: {t.fix}" for t in self.skipped_tables},
             bytes=batch.bytes,
+            resnapshot=batch.resnapshot,
         )
+
+    @property
+    def streams_only_for_windows(self) -> bool:
+        """``startup_mode: snapshot`` over a dialect that bounds its reads: batches go only as far as the staged
+        windows and waiting checks need (the streaming sensor launches them only then)."""
+        return self.source.startup_mode == "snapshot" and bool(getattr(self.dialect, "bounded_reads", False))
 
     def _fill_unknown(self, spark: SparkSession, wanted: dict[str, list[tuple] | None]) -> int:
         """Open a fill window per table of ``wanted`` (table -> keys of its mirror rows with unknown values; None:
@@ -409,8 +445,11 @@ class CdcPipeline(Generic[TableT]):
         """Reconcile the windows the stream has passed: the chunks reconciled, the windows still open, and the tables
         whose fill window was reconciled."""
         log_read_at = time.time()
-        pending = open_windows(window_log.read_events(spark, self.lake.windows))
-        ready = closable(pending, applied)
+        events = window_log.read_events(spark, self.lake.windows)
+        pending = open_windows(events)
+        since = {name: marker.position for name, marker in self.lake.resnapshot_markers().items()}
+        stale = read_before(pending, since)  # read before changes the source lost: never applied
+        ready = closable([w for w in pending if w not in stale], applied)
         done: list[dict[str, object]] = []
         filled: set[str] = set()
         by_table: dict[str, list[ChunkWindow]] = {}
@@ -433,6 +472,7 @@ class CdcPipeline(Generic[TableT]):
                 )  # fmt: skip
             counts = {(r.table, r.chunk): (r.kept, r.dropped, r.deleted) for r in results}
             window_log.record(spark, self.lake.windows, RECONCILED, windows, counts)
+            events += [WindowEvent(RECONCILED, w) for w in windows]
             for r in results:
                 self.lake.clear_waiting(r.table, r.chunk)
                 if r.chunk == FILL_CHUNK:  # not a chunk of the table's asset
@@ -442,7 +482,12 @@ class CdcPipeline(Generic[TableT]):
                     {"table": r.table, "chunk": r.chunk, "event": RECONCILED, "kept": r.kept, "dropped": r.dropped,
                      "deleted": r.deleted}
                 )  # fmt: skip
-        still_open = [w for w in pending if w not in ready]
+        for name, position in sorted(since.items()):
+            table = self.tables.get(name)
+            chunks = [] if table is None else [c.index for c in self.plan(table).chunks]
+            if table is not None and resnapshot_done(events, name, chunks, position):
+                self.lake.clear_resnapshot(name, position)
+        still_open = [w for w in pending if w not in ready and w not in stale]  # a stale one waits for no batch
         markers = self.lake.waiting_markers()
         for window in still_open:
             if markers.get((window.table, window.chunk)) != window.hw:
@@ -465,6 +510,13 @@ class CdcPipeline(Generic[TableT]):
     ) -> list[ChunkCheck]:
         """Count and checksum of ``indexes``' key ranges, at the source and over the mirror
         (``cdc_assets.consistency``, with the dialect's source half)."""
+        marker = self.lake.resnapshot_markers().get(table.qualified_name)
+        if marker is not None:
+            reason = (
+                f"every chunk of {table.qualified_name} is to be read again after "
+                f"{self.format_position(marker.position)} and not all are yet: {marker.reason}"
+            )
+            return [ChunkCheck(table.qualified_name, i, False, False, reason=reason) for i in indexes]
         plan = self.plan(table)
         chunks = [plan.chunks[i] for i in indexes]
         return check_chunks(spark, self.lake, self.dialect, table, chunks, wait_seconds)
@@ -497,9 +549,10 @@ class CdcPipeline(Generic[TableT]):
         return None
 
     def acknowledge(self, offset: Offset) -> int:
-        """Let the source forget changes up to ``offset`` (only forward). Call only after ``offset`` is recorded.
-        The offset's position is then written to the lake (``SourceLake.record_acknowledged``): every change at or
-        below it is applied, which a consistency check waits for."""
+        """Let the source forget changes up to ``offset`` (only forward). Call only after ``offset`` is recorded
+        (by a batch or by the ``change_offset`` job). The offset's position is then written to the lake
+        (``SourceLake.record_acknowledged``), also when it is behind the one written before (``change_offset``
+        moved the stream back): every change at or below it is applied, which a consistency check waits for."""
         held = self.dialect.acknowledge(offset)
         self.lake.record_acknowledged(self.dialect.position(offset))
         return held

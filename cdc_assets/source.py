@@ -109,7 +109,9 @@ class SnapshotReport:
 class StreamReport:
     """One stream batch: the offset to record (field names of Debezium's offsets, DDD-4), counts, lag, the chunks
     it reconciled, the seconds of its phases, the bytes of changes it held and the bounds it was read with
-    (``max_changes``, ``max_bytes``, ``shrunk`` after failed batches, the next batch's bounds)."""
+    (``max_changes``, ``max_bytes``, ``shrunk`` after failed batches, the next batch's bounds). ``resnapshot``: the
+    source lost the changes between the recorded offset and this batch's (MongoDB's history lost, with
+    ``on_history_lost: resnapshot``): why, and that every chunk of every captured table is to be read again."""
 
     offset: dict[str, object]
     changes: int
@@ -125,6 +127,7 @@ class StreamReport:
     skipped_tables: dict[str, str] = field(default_factory=dict)
     bytes: int = 0
     bounds: dict[str, object] = field(default_factory=dict)
+    resnapshot: str | None = None
 
 
 @dataclass

@@ -15,6 +15,14 @@ Partitioned tables: the cursor also holds each captured table's partitions (``Cd
 partition is attached, detached or dropped, rows entered or left the root without a change in the WAL, so every
 chunk of the table is read again (``cdc_assets.engine.partitions``), in ``initial`` or ``snapshot`` mode.
 
+Startup modes: ``latest`` and ``timestamp`` request no snapshot (partitions are added; a chunk is read only when
+someone materializes its partition), and the skip reason says so.
+
+Lost history (``SourceLake.resnapshot_markers``: the stream restarted after its source lost changes, MongoDB's
+``on_history_lost: resnapshot``): every chunk of each marked table is requested again, in any startup mode, once per
+marker position (the cursor and the run keys ``resnapshot@<position>:...``); the stream applies no window of the
+table read before that position and removes the marker once every chunk was read after it.
+
 Skipped tables: every evaluation logs a warning per selected table that cannot be captured (``CdcSource.skipped``),
 names them in its skip reason, and records a failing ``table_is_captured`` check evaluation of the table's asset
 (reason and fix) when it first sees it or its reason changed. Nothing else stops for them.
@@ -51,6 +59,8 @@ RANGE_END = "dagster/asset_partition_range_end"
 # cursor keys that are no table name (a qualified name always holds a '.')
 SKIPPED_KEY = "~skipped"
 PARTITIONS_KEY = "~partitions"
+RESNAPSHOT_KEY = "~resnapshot"
+NO_SNAPSHOT_MODES = ("latest", "timestamp")
 
 
 def build_planner_sensor(source_name: str, table_names: list[str]) -> SensorDefinition:
@@ -85,6 +95,8 @@ def build_planner_sensor(source_name: str, table_names: list[str]) -> SensorDefi
                 )
         seen[SKIPPED_KEY] = {t.qualified_name: t.message for t in skipped}
         known_partitions: dict[str, list[str]] = seen.get(PARTITIONS_KEY, {})
+        resnapshots = pipeline.lake.resnapshot_markers()
+        requested_resnapshots: dict[str, int] = seen.get(RESNAPSHOT_KEY, {})
         for name in table_names:
             table = tables.get(name)
             if table is None:
@@ -114,6 +126,14 @@ def build_planner_sensor(source_name: str, table_names: list[str]) -> SensorDefi
                 # the cursor makes each addition seen once; the time tells a column added again after a drop apart
                 kind = f"refill:{','.join(filled)}@{int(time.time())}"
                 requests += _snapshot_requests(source_name, name, indexes, kind, reason)
+            marker = resnapshots.get(name)
+            if marker is not None and requested_resnapshots.get(name) != marker.position:
+                context.log.warning(f"{name}: {marker.reason}")
+                indexes = [c.index for c in plan.chunks]
+                requests += _snapshot_requests(
+                    source_name, name, indexes, f"resnapshot@{marker.position}", f"read again: {marker.reason}"
+                )
+                requested_resnapshots[name] = marker.position
             partitions = chunk_partitions(source_name, name)
             existing = set(context.instance.get_dynamic_partitions(partitions.name))
             new_keys = [c.partition_key for c in plan.chunks if c.partition_key not in existing]
@@ -124,10 +144,16 @@ def build_planner_sensor(source_name: str, table_names: list[str]) -> SensorDefi
                 indexes = sorted(c.index for c in plan.chunks if c.partition_key in new_keys)
                 requests += _snapshot_requests(source_name, name, indexes, "initial", "initial snapshot")
         seen[PARTITIONS_KEY] = known_partitions
+        seen[RESNAPSHOT_KEY] = {k: v for k, v in requested_resnapshots.items() if k in resnapshots}
         cursor = json.dumps(seen, sort_keys=True)
         not_captured = ""
         if skipped:
             not_captured = f"; {len(skipped)} table(s) NOT captured: " + "; ".join(t.message for t in skipped)
+        if source.startup_mode in NO_SNAPSHOT_MODES:
+            not_captured += (
+                f"; startup_mode is {source.startup_mode!r}: no snapshot is requested (the mirrors hold what the "
+                "stream applies; materialize chunk partitions to read them)"
+            )
         if not partition_requests and not requests:
             return SensorResult(
                 skip_reason=SkipReason(f"every captured table is planned{not_captured}"), cursor=cursor,

@@ -3,8 +3,8 @@
 Contract:
 - A ``ChunkWindow`` is one attempt at reading one chunk: the low watermark (``low_watermark``: the source's text
   of it, opaque here and read by the source's ``SettledRule``, ``cdc_assets.lake.settled``; PostgreSQL: the
-  ``pg_current_snapshot()`` text; and ``lw_lsn``, the source's position taken just before it: recorded for
-  diagnosis only), and the high watermark ``hw`` (a position of the change stream).
+  ``pg_current_snapshot()`` text; and ``lw_lsn``, the source's position taken just before it: for diagnosis, and
+  for the re-snapshot rule below), and the high watermark ``hw`` (a position of the change stream).
 - The window log holds events ``staged`` (an attempt's rows are in staging) and ``reconciled`` (that attempt was
   applied to the mirror). ``open_windows(events)``: for each chunk, its latest staged attempt, unless that attempt is
   reconciled. An older attempt is superseded by a newer one (a re-materialized partition) and never applied.
@@ -21,6 +21,12 @@ Contract:
   range.
 - ``closable(windows, applied_lsn)``: the open windows whose ``hw`` the stream has passed (``hw <= applied_lsn``):
   every transaction visible to their reads is in the lake, so they can be reconciled.
+- Re-snapshots after lost history (``SourceLake.mark_resnapshot``: every chunk of a table read again in windows whose
+  reads start at or after a position ``since``, where the stream restarted). ``read_before(windows, since)``: the
+  windows of such tables whose reads started before it (``lw_lsn < since[table]``): the changes the source lost are
+  not in the changelog, so their reconciliation could keep a document those changes replaced or deleted; they are
+  never applied (a window read after ``since`` supersedes each). ``resnapshot_done(events, table, chunks, since)``:
+  every one of ``chunks`` has a reconciled window of ``table`` read at or after ``since``: the table is whole again.
 """
 
 from __future__ import annotations
@@ -73,6 +79,19 @@ def open_windows(events: Iterable[WindowEvent]) -> list[ChunkWindow]:
 
 def closable(windows: Iterable[ChunkWindow], applied_lsn: int) -> list[ChunkWindow]:
     return [w for w in windows if w.hw <= applied_lsn]
+
+
+def read_before(windows: Iterable[ChunkWindow], since: Mapping[str, int]) -> list[ChunkWindow]:
+    return [w for w in windows if w.table in since and w.lw_lsn < since[w.table]]
+
+
+def resnapshot_done(events: Iterable[WindowEvent], table: str, chunks: Iterable[int], since: int) -> bool:
+    covered = {
+        item.window.chunk
+        for item in events
+        if item.event == RECONCILED and item.window.table == table and item.window.lw_lsn >= since
+    }
+    return set(chunks) <= covered
 
 
 def finished_attempts(events: Iterable[WindowEvent]) -> dict[str, set[str]]:

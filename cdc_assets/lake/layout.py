@@ -19,6 +19,12 @@ Contract (``<lake_root>/<source>/``):
 - ``_cdc/acknowledged``: the position of the last offset the source was told it may forget (written by
   ``CdcPipeline.acknowledge`` after the offset was recorded): every change at or below it is in the lake. A
   consistency check waits for it to pass its high watermark.
+- ``_cdc/resnapshot/<qualified>.json``: the table must be read again, every chunk, in windows whose reads start at or
+  after ``position`` (the source lost changes the stream needed: MongoDB's history lost with ``on_history_lost:
+  resnapshot``; the stream restarted at ``position``), with the ``reason``. Written by the stream batch before its
+  offset is recorded, read by the planner sensor (which requests the snapshots) and by the stream (which applies no
+  window of the table read before ``position`` and removes the file once every chunk has a reconciled window read
+  after it). A newer loss only raises the position.
 - ``_cdc/upkeep/<step>``: empty files whose modification times are the ends of the last lake upkeep steps
   (``cdc_assets.lake.maintenance``): ``compact`` (staged attempts dropped, tables compacted) and ``vacuum``. The clock
   of a step starts when it is first asked whether the step is due: a new source's first batches pay for no upkeep.
@@ -28,6 +34,7 @@ The plan, marker, spill and staged folders use the local file system API: the la
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 import time
@@ -49,10 +56,26 @@ class TablePaths:
     staging: str
 
 
+@dataclass(frozen=True)
+class Resnapshot:
+    """Every chunk of a table must be read again in windows whose reads start at or after ``position``."""
+
+    position: int
+    reason: str
+
+
 class SourceLake:
     def __init__(self, lake_root: str | os.PathLike[str], source_name: str) -> None:
         self.root = Path(lake_root) / source_name
         self.control = self.root / "_cdc"
+
+    @classmethod
+    def of_control(cls, control: str | os.PathLike[str]) -> SourceLake:
+        """The lake whose control folder is ``control`` (for a source dialect handed only that folder)."""
+        lake = cls.__new__(cls)
+        lake.control = Path(control)
+        lake.root = lake.control.parent
+        return lake
 
     def table(self, qualified_name: str) -> TablePaths:
         base = self.root / lake_folder(*split_qualified(qualified_name))
@@ -140,6 +163,41 @@ class SourceLake:
             return int((self.control / "acknowledged").read_text())
         except (FileNotFoundError, ValueError):
             return None
+
+    # -- tables to read again ------------------------------------------------------------------------------
+    def _resnapshot_path(self, qualified_name: str) -> Path:
+        return self.control / "resnapshot" / f"{file_token(qualified_name)}.json"
+
+    def mark_resnapshot(self, qualified_name: str, position: int, reason: str) -> None:
+        """Record that every chunk of the table must be read again after ``position`` (kept when a marker with a
+        higher position is there already)."""
+        known = self.resnapshot_markers().get(qualified_name)
+        if known is not None and known.position >= position:
+            return
+        path = self._resnapshot_path(qualified_name)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        temporary = path.with_suffix(".tmp")
+        temporary.write_text(json.dumps({"position": position, "reason": reason}))
+        temporary.replace(path)
+
+    def resnapshot_markers(self) -> dict[str, Resnapshot]:
+        folder = self.control / "resnapshot"
+        markers: dict[str, Resnapshot] = {}
+        if not folder.exists():
+            return markers
+        for path in folder.glob("*.json"):
+            try:
+                data = json.loads(path.read_text())
+                markers[from_file_token(path.stem)] = Resnapshot(int(data["position"]), str(data.get("reason", "")))
+            except (ValueError, KeyError, TypeError, FileNotFoundError):
+                continue
+        return markers
+
+    def clear_resnapshot(self, qualified_name: str, position: int) -> None:
+        """Remove the table's marker if it still asks for ``position`` (a newer loss keeps its own)."""
+        known = self.resnapshot_markers().get(qualified_name)
+        if known is not None and known.position == position:
+            self._resnapshot_path(qualified_name).unlink(missing_ok=True)
 
     def mark_check_waiting(self, token: str, high_watermark: int) -> None:
         _write_marker(self.control / "waiting-checks" / f"{token}.hw", high_watermark)

@@ -1,9 +1,9 @@
 """One watermark window, written once for every source kind (DESIGN.md; Flink CDC's ``AbstractScanFetchTask``).
 
 Contract: ``run_window(spark, lake, table, chunks, attempt, watermarks, read)``:
-1. ``watermarks.low_watermark()``: the source's position just before it (diagnosis only) and the low watermark's
-   text (opaque here; the source's ``SettledRule`` reads it, ``cdc_assets.lake.settled``). Every read of step 2
-   starts after it.
+1. ``watermarks.low_watermark()``: the source's position just before it (for diagnosis, and for the re-snapshot
+   rule after lost history: ``engine.windows.read_before``) and the low watermark's text (opaque here; the source's
+   ``SettledRule`` reads it, ``cdc_assets.lake.settled``). Every read of step 2 starts after both.
 2. ``read()`` stages the rows of ``chunks`` under ``attempt`` (``cdc_assets.lake.staging``) and returns the rows
    staged per chunk; it returns when every read has finished.
 3. ``watermarks.high_watermark()``: a position of the change stream taken after every read finished.

@@ -15,6 +15,8 @@ from cdc_assets.engine.windows import (
     closable,
     finished_attempts,
     open_windows,
+    read_before,
+    resnapshot_done,
     unrecorded_attempts,
 )
 
@@ -102,3 +104,29 @@ def test_unrecorded_attempt_is_dropped_only_once_it_is_old_enough() -> None:
     }
     assert unrecorded_attempts(events, staged, written_before=100.0) == {"public.v": {"run9"}}
     assert unrecorded_attempts([], {}, written_before=1e12) == {}
+
+
+def read_at(chunk: int, attempt: str, lw: int, table: str = "public.t") -> ChunkWindow:
+    return ChunkWindow(table, chunk, attempt, lw, str(lw), lw + 10, 100, T0 + timedelta(minutes=lw))
+
+
+def test_windows_read_before_a_resnapshot_position_are_never_applied() -> None:
+    """A table to be read again after position 100 (the stream restarted there after lost history): its windows
+    read before 100 are held back, at or after 100 and other tables' windows are not."""
+    old, at, new = read_at(0, "a", 99), read_at(1, "b", 100), read_at(2, "c", 150)
+    other = read_at(0, "d", 5, table="public.u")
+    assert read_before([old, at, new, other], {"public.t": 100}) == [old]
+    assert read_before([old, at, new, other], {}) == []
+
+
+def test_a_resnapshot_is_done_once_every_chunk_was_reconciled_from_a_read_after_its_position() -> None:
+    old0, new0, new1 = read_at(0, "a", 90), read_at(0, "b", 120), read_at(1, "b", 120)
+    events = [WindowEvent(STAGED, w) for w in (old0, new0, new1)]
+    assert not resnapshot_done([*events, WindowEvent(RECONCILED, old0)], "public.t", [0, 1], 100)
+    assert not resnapshot_done([*events, WindowEvent(RECONCILED, new0)], "public.t", [0, 1], 100)  # chunk 1 left
+    staged_only = resnapshot_done(events, "public.t", [0, 1], 100)
+    assert not staged_only
+    both = [*events, WindowEvent(RECONCILED, new0), WindowEvent(RECONCILED, new1)]
+    assert resnapshot_done(both, "public.t", [0, 1], 100)
+    assert not resnapshot_done(both, "public.t", [0, 1], 121)  # read before a newer restart
+    assert not resnapshot_done(both, "public.u", [0], 100)

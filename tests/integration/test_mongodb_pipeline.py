@@ -16,7 +16,15 @@
   comes back.
 - Bad input: an unreachable server, a missing collection, an unparsable resume token, a timestamp in the future, a
   collection dropped while streaming: each a clear message; the drop moves no offset and applies nothing.
-- The gated variant runs the main scenario against a real replica set (``$CDC_TEST_MONGODB_URI``).
+- Startup modes: ``latest`` and ``timestamp`` start where they say, a timestamp before the oplog's first entry or in
+  the future is refused naming the window; ``snapshot`` reconciles its chunks and streams no further.
+- History lost (a recorded offset before the oplog's first entry, as after a truncation): the batch stops naming
+  the window and moves nothing, or with ``on_history_lost: resnapshot`` restarts and every chunk is read again, a
+  window read before the restart never applied; the mirror ends exact.
+- The Dagster glue: definitions, a batch's offset, ``change_offset`` refused or moved back (the acknowledged position
+  follows); the planner in ``latest`` mode and after lost history; the stream sensor in ``snapshot`` mode.
+- The gated variant runs the main, the startup and the history-lost scenarios against a real replica set
+  (``$CDC_TEST_MONGODB_URI``).
 """
 
 from __future__ import annotations
@@ -42,13 +50,16 @@ from pyspark.sql import functions as F
 
 from cdc_assets.config import CdcConfig, SourceConfig, parse_config
 from cdc_assets.dialect import OffsetError
+from cdc_assets.lake.layout import SourceLake
 from cdc_assets.pipeline import CdcPipeline
 from cdc_assets.source import PermanentBatchError, SourceError
+from cdc_assets.sources.mongodb import history
 from cdc_assets.sources.mongodb.bson_order import canonical_json, from_canonical_json
 from cdc_assets.sources.mongodb.catalog import CapturedCollection, id_key
 from cdc_assets.sources.mongodb.client import CommandAudit, is_write, read_audit
 from cdc_assets.sources.mongodb.dialect import MongoDialect, MongoWindow
-from cdc_assets.sources.mongodb.watermark import MongoSettledRule
+from cdc_assets.sources.mongodb.watermark import MongoSettledRule, position_of
+from resources.cdc import CdcResource
 from tests.pipeline_support import KILLS, FaultPoints, Killed, Stream
 
 
@@ -409,13 +420,20 @@ def test_bad_input_gives_clear_messages(spark, mongo_server: str, database_name:
 
 
 def test_on_a_real_replica_set(spark, real_mongodb: str, tmp_path: Path, faults: FaultPoints) -> None:
-    """Gated (``$CDC_TEST_MONGODB_URI``): the main scenario against a real replica set or ``mongos``."""
-    name = f"cdc_{uuid.uuid4().hex[:10]}"
+    """Gated (``$CDC_TEST_MONGODB_URI``): the main, the startup and the history-lost scenarios against a real replica
+    set or ``mongos`` (there, the recorded offset 1:0 is refused by the server itself, error 286, where the source's
+    user may not read ``local.oplog.rs``; the window's start is then found by change-stream probes)."""
+    names = [f"cdc_{uuid.uuid4().hex[:10]}" for _ in range(3)]
+    for folder in ("main", "startup", "lost"):
+        (tmp_path / folder).mkdir()
     try:
-        run_main_scenario(spark, real_mongodb, name, tmp_path, faults)
+        run_main_scenario(spark, real_mongodb, names[0], tmp_path / "main", faults)
+        run_startup_scenario(spark, real_mongodb, names[1], tmp_path / "startup", test_server=False)
+        run_history_lost_scenario(spark, real_mongodb, names[2], tmp_path / "lost")
     finally:
         with pymongo.MongoClient(real_mongodb) as client:
-            client.drop_database(name)
+            for name in names:
+                client.drop_database(name)
 
 
 def test_discovery_by_patterns_and_names(mongo_server: str, database_name: str, tmp_path: Path) -> None:
@@ -443,7 +461,9 @@ def test_the_dagster_glue_runs_a_mongodb_source(
 ) -> None:
     """The same Dagster definitions as for PostgreSQL: a chunk-partitioned asset per collection (its real name in
     ``mongodb_collection``), the stream asset recording a batch's offset with MongoDB's fields, and the
-    ``change_offset`` job validated by the MongoDB dialect (a timestamp in the future refused naming the field)."""
+    ``change_offset`` job validated by the MongoDB dialect (a timestamp in the future or before the oplog window
+    refused naming the field, nothing moved; one back inside the window recorded, the acknowledged position following
+    it back, the events after it read again and nothing appended twice)."""
     from dagster import DagsterInstance, materialize
 
     from cdc_assets.assets import recorded_offset, stream_asset_key, table_asset_key
@@ -466,7 +486,7 @@ def test_the_dagster_glue_runs_a_mongodb_source(
     assert assets[table_key].metadata_by_key[table_key]["mongodb_collection"] == f"{database_name}.orders"
     instance = DagsterInstance.ephemeral()
     with pymongo.MongoClient(mongo_server) as client:
-        client[database_name]["orders"].insert_one({"_id": 99, "n": 99})
+        client[database_name]["orders"].insert_many([{"_id": 98, "n": 98}, {"_id": 99, "n": 99}])
     result = materialize([assets[stream_asset_key("docs")]], resources=defs.resources, instance=instance)
     assert result.success
     offset = recorded_offset(instance, "docs")
@@ -480,3 +500,283 @@ def test_the_dagster_glue_runs_a_mongodb_source(
     assert not refused.success
     assert "timestamp" in str(refused.all_events) and "in the future" in str(refused.all_events)
     assert recorded_offset(instance, "docs") == offset  # nothing moved
+
+    # back inside the oplog window: recorded, and the lake's acknowledged position follows it backwards (as it
+    # follows every recorded offset, PostgreSQL's too: CdcPipeline.acknowledge), so the events after it wait again
+    lake = SourceLake(tmp_path / "lake", "docs")
+    pipeline = CdcResource(config_path=str(path)).pipeline("docs")
+    assert lake.acknowledged() == pipeline.position(offset) and pipeline.pending_work() is None
+    with pymongo.MongoClient(mongo_server) as client:
+        second = cluster_times(client[database_name]["orders"])[5]  # the insert of 98
+    moved = job.execute_in_process(
+        run_config={"ops": {"docs_record_offset": {"config": {
+            "timestamp": f"{second.time}:{second.inc}", "changed_by": "test", "reason": "replay"}}}},
+        resources=defs.resources, instance=instance,
+    )  # fmt: skip
+    assert moved.success
+    back = recorded_offset(instance, "docs")
+    assert back is not None and (back["sec"], back["ord"]) == (second.time, second.inc)
+    assert lake.acknowledged() == pipeline.position(back) < pipeline.position(offset)
+    assert pipeline.pending_work() == "change events wait after the recorded position"
+    replay = materialize([assets[stream_asset_key("docs")]], resources=defs.resources, instance=instance)
+    assert replay.success
+    assert lake.acknowledged() == pipeline.position(recorded_offset(instance, "docs")) == pipeline.position(offset)
+    changelog = spark.read.format("delta").load(lake.table(f"{database_name}.orders").changelog)
+    assert changelog.count() == 2 and pipeline.pending_work() is None  # the replay appended nothing twice
+    first = first_oplog_entry(mongo_server)
+    before = job.execute_in_process(
+        run_config={"ops": {"docs_record_offset": {"config": {
+            "timestamp": f"{first.time - 1}", "changed_by": "test", "reason": "too far"}}}},
+        resources=defs.resources, instance=instance, raise_on_error=False,
+    )  # fmt: skip
+    assert not before.success and "before the oplog window" in str(before.all_events)
+    assert lake.acknowledged() == pipeline.position(offset)
+
+
+def test_the_planner_and_the_stream_sensor_follow_the_startup_mode_and_lost_history(
+    mongo_server: str, database_name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``latest``: the planner adds the chunk partitions and requests no snapshot, saying why; a table marked to be
+    read again (lost history) gets every chunk requested once, whatever the mode. ``snapshot``: the stream sensor
+    requests a run only when a staged window can close."""
+    from dagster import DagsterInstance, build_sensor_context
+
+    from cdc_assets.assets import chunk_partitions
+    from cdc_assets.build import build_definitions
+
+    with pymongo.MongoClient(mongo_server) as client:
+        client[database_name]["orders"].insert_many([{"_id": i} for i in range(25)])
+    monkeypatch.setenv("CDC_TEST_URI", mongo_server)
+    name = f"{database_name}.orders"
+
+    def definitions(mode: str):
+        path = tmp_path / f"{mode}.yaml"
+        path.write_text(
+            f"lake_root: {tmp_path / mode}\n"
+            "sources:\n"
+            "  - name: docs\n    kind: mongodb\n    connection: {uri: '${CDC_TEST_URI}'}\n"
+            f"    include: ['{database_name}.*']\n    mongodb: {{databases: [{database_name}]}}\n"
+            f"    chunk_size: 10\n    startup_mode: {mode}\n"
+        )
+        return build_definitions(path), SourceLake(tmp_path / mode, "docs")
+
+    defs, lake = definitions("latest")
+    planner = next(s for s in defs.sensors if s.name == "docs_planner_sensor")
+    instance = DagsterInstance.ephemeral()
+
+    def tick(sensor, cursor: str | None = None):
+        with build_sensor_context(instance=instance, resources=defs.resources, definitions=defs, cursor=cursor) as c:
+            return sensor.evaluate_tick(c)
+
+    first = tick(planner)
+    keys = [key for request in first.dynamic_partitions_requests for key in request.partition_keys]
+    assert len(keys) >= 2 and first.run_requests == []
+    instance.add_dynamic_partitions(chunk_partitions("docs", name).name, keys)
+    quiet = tick(planner, first.cursor)
+    assert quiet.run_requests == [] and "startup_mode is 'latest': no snapshot is requested" in quiet.skip_message
+    lake.mark_resnapshot(name, 12345 << 32, "history lost: the stream restarted at 12345:0")
+    lost = tick(planner, quiet.cursor)
+    kind = f"resnapshot@{12345 << 32}:{name}:"
+    assert lost.run_requests and all(r.run_key.startswith(kind) for r in lost.run_requests)
+    requested = {(r.tags["dagster/asset_partition_range_start"], r.tags["dagster/asset_partition_range_end"])
+                 for r in lost.run_requests}  # fmt: skip
+    assert min(s for s, _ in requested) == keys[0] and max(e for _, e in requested) == keys[-1]
+    assert all("history lost" in r.tags["cdc/reason"] for r in lost.run_requests)
+    assert tick(planner, lost.cursor).run_requests == []  # requested once per marker
+
+    defs, lake = definitions("snapshot")
+    stream_sensor = next(s for s in defs.sensors if s.name == "docs_stream_sensor")
+    idle = tick(stream_sensor)
+    assert idle.run_requests == [] and "no staged chunk waits for the stream" in idle.skip_message
+    lake.mark_waiting(name, 0, 1)  # a staged window whose high watermark the source has passed
+    due = tick(stream_sensor)
+    [request] = due.run_requests
+    assert request.tags["cdc/reason"].startswith("startup_mode is 'snapshot': a chunk window can close")
+    assert due.asset_events == []  # no lag is recorded in this mode
+
+
+def cluster_times(collection: pymongo.collection.Collection) -> list[Timestamp]:
+    """The cluster times of the collection's change events so far, in order (read from the oplog's first entry:
+    a real server refuses an older start)."""
+    start = collection.database.client.local["oplog.rs"].find_one({}, sort=[("$natural", 1)])["ts"]
+    with collection.watch(start_at_operation_time=start) as events:
+        return [event["clusterTime"] for event in iter(events.try_next, None)]
+
+
+def first_oplog_entry(uri: str) -> Timestamp:
+    """The first entry of the oplog (the tests' users may read ``local``; the source's need not)."""
+    with pymongo.MongoClient(uri) as client:
+        return client.local["oplog.rs"].find_one({}, sort=[("$natural", 1)])["ts"]
+
+
+def mirror_documents(spark, pipeline: CdcPipeline, name: str) -> dict[str, str]:
+    mirror = spark.read.format("delta").load(pipeline.lake.table(name).mirror)
+    return {r["_id"]: r["document"] for r in mirror.select("_id", "document").collect()}
+
+
+def test_startup_modes_latest_and_timestamp(spark, mongo_server: str, database_name: str, tmp_path: Path) -> None:
+    run_startup_scenario(spark, mongo_server, database_name, tmp_path, test_server=True)
+
+
+def run_startup_scenario(spark, mongo_server: str, database_name: str, tmp_path: Path, test_server: bool) -> None:
+    """``latest``: the stream starts at the position of the first discovery (older documents are not read);
+    ``timestamp``: it starts just after the given cluster time; a timestamp before the oplog's first entry (the test
+    server's oplog is never truncated and readable as ``local.oplog.rs``) or in the future is refused naming the
+    setting and the window, and no start is stored."""
+    with pymongo.MongoClient(mongo_server) as client:
+        notes = client[database_name]["notes"]
+        notes.insert_many([{"_id": f"n{i}", "v": i} for i in range(5)])
+        config, source = source_config(mongo_server, tmp_path / "latest", database_name, 1000, startup_mode="latest")
+        latest = CdcPipeline(config, source, MongoDialect(source, tmp_path / "latest" / "docs" / "_cdc"))
+        latest.prepare()
+        notes.insert_one({"_id": "n5", "v": 5})
+        stream = Stream(latest, spark)
+        assert stream.batch().changes == 1
+        assert set(mirror_documents(spark, latest, f"{database_name}.notes")) == {'"n5"'}
+        assert latest.pending_work() is None
+
+        n2 = cluster_times(notes)[2]  # the insert of n2
+        config, source = source_config(
+            mongo_server, tmp_path / "ts", database_name, 1000, startup_mode="timestamp",
+            startup_timestamp=f"{n2.time}:{n2.inc}",
+        )  # fmt: skip
+        since = CdcPipeline(config, source, MongoDialect(source, tmp_path / "ts" / "docs" / "_cdc"))
+        assert since.pending_work() == "change events wait after the recorded position"
+        Stream(since, spark).catch_up()
+        assert set(mirror_documents(spark, since, f"{database_name}.notes")) == {'"n3"', '"n4"', '"n5"'}
+
+        first = first_oplog_entry(mongo_server)
+        before = f"{first.time - 1}:7"
+        window = "allowed: a cluster time from "  # a real server's user may not read local: found by probes
+        if test_server:
+            window = rf"its first entry is {first.time}:{first.inc}, read from local\.oplog\.rs.*{window}"
+            window += rf"{first.time}:{first.inc - 1} to "
+        for given, refusal in (
+            (before, rf"startup_timestamp: '{before}' is cluster time {before}, before the oplog window: .*{window}"),
+            ("4102444800", r"startup_timestamp: '4102444800' is cluster time 4102444800:0, in the future"),
+        ):  # fmt: skip
+            lake = tmp_path / f"refused-{given.replace(':', '-')}"
+            config, source = source_config(
+                mongo_server, lake, database_name, 1000, startup_mode="timestamp", startup_timestamp=given
+            )
+            with pytest.raises(SourceError, match=rf"source 'docs' \(startup_mode: timestamp\): {refusal}"):
+                CdcPipeline(config, source, MongoDialect(source, lake / "docs" / "_cdc")).prepare()
+            assert not (lake / "docs" / "_cdc" / "mongodb_stream_start.json").exists()
+
+
+def test_snapshot_mode_reconciles_its_chunks_and_streams_no_further(
+    spark, mongo_server: str, database_name: str, tmp_path: Path
+) -> None:
+    """``snapshot``: a batch goes only as far as the staged windows' high watermarks (``until``), so the mirror is the
+    collection as of the snapshot, and later writes are never streamed; no event makes a batch due, a window does."""
+    with pymongo.MongoClient(mongo_server) as client:
+        items = client[database_name]["items"]
+        items.insert_many([{"_id": i, "v": 0} for i in range(30)])
+        config, source = source_config(mongo_server, tmp_path / "lake", database_name, 1000, startup_mode="snapshot")
+        pipeline = CdcPipeline(config, source, MongoDialect(source, tmp_path / "lake" / "docs" / "_cdc"))
+        table = pipeline.prepare()[f"{database_name}.items"]
+        assert pipeline.streams_only_for_windows
+        items.update_one({"_id": 1}, {"$set": {"v": 1}})  # streamed: before the window's high watermark
+        pipeline.snapshot(spark, table, [0], "snap")
+        expected = {canonical_json(d["_id"]): canonical_json(d) for d in items.find()}
+        items.update_one({"_id": 2}, {"$set": {"v": 2}})  # after the snapshot: never streamed
+        items.insert_one({"_id": 99})
+        assert pipeline.pending_work() == "a chunk window can close"
+        stream = Stream(pipeline, spark)
+        report = stream.batch()
+        assert [r["chunk"] for r in report.reconciled] == [0] and report.changes == 1
+        assert mirror_documents(spark, pipeline, table.qualified_name) == expected
+        assert pipeline.pending_work() is None  # events wait, but nothing is streamed in this mode
+        assert stream.batch().changes == 0
+        assert mirror_documents(spark, pipeline, table.qualified_name) == expected
+        pipeline.snapshot(spark, table, [0], "again")  # a partition materialized again: read and reconciled
+        stream.batch()
+        assert_exact(spark, pipeline, items)
+
+
+def test_the_oplog_window_of_the_test_server(mongo_server: str, database_name: str) -> None:
+    """No Spark: the window's start is the first entry of ``local.oplog.rs``; the change-stream probe the source falls
+    back to where ``local`` cannot be read accepts any start on the test server (its oplog is never truncated), so
+    there only the window check refuses a start before it."""
+    with pymongo.MongoClient(mongo_server) as client:
+        client[database_name]["items"].insert_one({"_id": 1})
+        first = position_of(client.local["oplog.rs"].find_one({}, sort=[("$natural", 1)])["ts"])
+        table = CapturedCollection(database_name, "items")
+        window = history.read_window(client, table, first + 5)
+        assert (window.first, window.earliest, window.current, window.how) == (first, first - 1, first + 5,
+                                                                               "local.oplog.rs")  # fmt: skip
+        assert window.reaches(first - 1) and not window.reaches(first - 2)
+        assert history.probe_start(client, table, (1 << 32) | 1) and history.probe_start(client, table, first + 5)
+
+
+def run_history_lost_scenario(spark, uri: str, database: str, tmp_path: Path) -> None:
+    """A recorded offset the oplog no longer covers (cluster time 1:0: before every oplog, so a real server refuses
+    it too), after changes the stream never read. ``on_history_lost: fail``: the batch stops naming the collection,
+    the position, the window and the ways on; nothing moves. ``resnapshot``: the batch restarts the stream at the
+    current position and records that every chunk is read again; a window read before the restart is not applied
+    (its read can predate a lost change); after every chunk is read again the mirror is exact and the marks are gone."""
+    lost = {"sec": 1, "ord": 0, "resume_token": None}
+    with pymongo.MongoClient(uri) as client:
+        items = client[database]["items"]
+        items.insert_many([{"_id": mixed_id(i), "v": "v0"} for i in range(60)])
+        config, source = source_config(uri, tmp_path / "lake", database, chunk_size=20)
+        pipeline = CdcPipeline(config, source, MongoDialect(source, tmp_path / "lake" / "docs" / "_cdc"))
+        table = pipeline.prepare()[f"{database}.items"]
+        plan = pipeline.plan(table)
+        assert len(plan.chunks) >= 2
+        pipeline.snapshot(spark, table, [c.index for c in plan.chunks], "first")
+        stream = Stream(pipeline, spark)
+        stream.catch_up()
+        assert_exact(spark, pipeline, items)
+        x, y = mixed_id(7), mixed_id(8)
+        key = id_key(x)
+        chunk = next(
+            c.index for c in plan.chunks if (c.lo is None or c.lo[0] <= key) and (c.hi is None or key < c.hi[0])
+        )
+        items.update_one({"_id": x}, {"$set": {"v": "v1"}})
+        pipeline.snapshot(spark, table, [chunk], "before-the-loss")  # reads v1; stays open
+        items.update_one({"_id": x}, {"$set": {"v": "v2"}})  # the lost changes
+        items.delete_one({"_id": y})
+        items.insert_one({"_id": "z", "v": "new"})
+        before = mirror_documents(spark, pipeline, table.qualified_name)
+        acknowledged = pipeline.lake.acknowledged()
+
+        stream.recorded = lost
+        with pytest.raises(PermanentBatchError) as info:
+            stream.batch()
+        message = str(info.value)
+        for part in ("history lost", f"{database}.items", "recorded position 1:0", "the oplog window",
+                     "offset did not move", "change_offset", "on_history_lost: resnapshot"):  # fmt: skip
+            assert part in message, (part, message)
+        assert stream.recorded == lost and pipeline.lake.acknowledged() == acknowledged
+        assert mirror_documents(spark, pipeline, table.qualified_name) == before
+        with pytest.raises(OffsetError, match=r"timestamp: '1:0' is cluster time 1:0, before the oplog window"):
+            pipeline.validate_offset({"timestamp": "1:0"})
+
+        config, source = source_config(uri, tmp_path / "lake", database, 20, mongodb={
+            "databases": [database], "on_history_lost": "resnapshot"})  # fmt: skip
+        pipeline = CdcPipeline(config, source, MongoDialect(source, tmp_path / "lake" / "docs" / "_cdc"))
+        table = pipeline.prepare()[f"{database}.items"]
+        stream = Stream(pipeline, spark)
+        stream.recorded = lost
+        report = stream.batch()
+        assert report.changes == 0 and report.resnapshot and "every chunk" in report.resnapshot
+        marker = pipeline.lake.resnapshot_markers()[table.qualified_name]
+        assert marker.position == pipeline.position(report.offset) > pipeline.position(lost)
+        # the window read before the restart (x = v1) was closable but is not applied
+        assert report.reconciled == [] and mirror_documents(spark, pipeline, table.qualified_name) == before
+        (check,) = pipeline.check_chunks(spark, table, [chunk], wait_seconds=5)
+        assert not check.conclusive and "read again" in (check.reason or ""), check
+        items.update_one({"_id": mixed_id(9)}, {"$set": {"v": "after"}})  # after the restart: streamed
+        items.delete_one({"_id": mixed_id(10)})
+        pipeline.snapshot(spark, table, [c.index for c in plan.chunks], "again")
+        items.insert_one({"_id": "late", "v": "streamed"})
+        stream.catch_up()
+        assert_exact(spark, pipeline, items)
+        assert pipeline.lake.resnapshot_markers() == {}
+
+
+def test_history_lost_stops_or_reads_every_chunk_again(
+    spark, mongo_server: str, database_name: str, tmp_path: Path
+) -> None:
+    run_history_lost_scenario(spark, mongo_server, database_name, tmp_path)

@@ -4,9 +4,13 @@ Contract:
 - Read-only: every client is ``client.connect``'s (read concern ``majority``); nothing here sends a write command,
   and MongoDB keeps no state for us (no slot): ``acknowledge`` tells the server nothing.
 - ``discover()``: the captured collections (``catalog.discover``). It also fixes where the stream starts when no
-  offset is recorded yet: the current position, stored once in the lake's control folder
-  (``_cdc/mongodb_stream_start.json``; first writer wins), so every snapshot window opens after it and the first
-  batch reads every event after it (nothing is missed; see docs/mongodb.md).
+  offset is recorded yet, stored once in the lake's control folder (``_cdc/mongodb_stream_start.json``; first
+  writer wins; a later change of ``startup_mode``/``startup_timestamp`` does not move it: ``change_offset`` does):
+  ``initial``, ``latest``, ``snapshot``: the current position (``client.current_position``), so every snapshot
+  window opens after it and the first batch reads every event after it (nothing is missed; see docs/mongodb.md);
+  ``timestamp``: the position of ``startup_timestamp`` (the first batch reads the events after it), refused with
+  ``SourceError`` naming the setting, the oplog window (``history.read_window``) and the allowed range when it is
+  in the future or before the window. Which chunks are read in each mode is the planner sensor's business.
 - ``window()``: a session whose low watermark is the current position (``client.current_position``) with its
   decimal text, and whose high watermark is the current position after the reads. Chunk reads run in Spark tasks
   (``snapshot.chunk_stager``, one per chunk), each staging one file; a fill window reads by key in the driver.
@@ -14,14 +18,23 @@ Contract:
   spilled as it is read (one Parquet file per collection). The offset has Debezium's MongoDB fields ``sec`` and
   ``ord`` (the applied position's cluster time: every event at or before it is applied) and ``resume_token`` (the
   token of the last applied event, the test server's form of the position when none is known), plus ``position``.
-  ``position(offset)`` is ``(sec << 32) | ord``.
+  ``position(offset)`` is ``(sec << 32) | ord``. ``bounded_reads``: it takes ``until`` (no event after it is read;
+  at or before the start: no stream is opened).
+- History lost: the start is before the oplog's first entry (``local.oplog.rs``, where the user may read it), or the
+  server refuses a stream with error 286/280 (``history.HistoryLost``). With ``mongodb.on_history_lost: fail`` (the
+  default) the batch raises ``PermanentBatchError`` naming the collections, the recorded position, the oplog window
+  and the two ways on; nothing is applied and the offset does not move. With ``resnapshot`` the batch holds no event,
+  its offset is the current position and ``ChangeBatch.resnapshot`` says why: the pipeline records that every chunk
+  of every captured collection is read again in windows opened after it (docs/mongodb.md: why that is exact).
 - ``validate_offset``: exactly one of ``resume_token`` (its cluster time is the position) or ``timestamp`` (``SEC``
-  or ``SEC:ORD``: changes after that cluster time are streamed); it must parse and not be after the server's current
-  position; errors name the field and the allowed forms.
-- ``pending`` / ``lag``: the current position against the last acknowledged one (kept in
-  ``_cdc/mongodb_acknowledged.json``, since the server keeps none): events wait when the current position is past it.
-  On the test server a new dialect object starts looking for the newest event from the stored stream start or
-  acknowledged position (each was the newest event some process had seen, or before it), not from the oplog's start.
+  or ``SEC:ORD``: changes after that cluster time are streamed); it must parse, must not be after the server's
+  current position and must be inside the oplog window; errors name the field, the window and the allowed forms.
+- ``pending`` / ``lag``: the current position against the lake's acknowledged position (``SourceLake.acknowledged``,
+  written by ``CdcPipeline.acknowledge`` after a batch's or ``change_offset``'s offset was recorded, so it follows
+  the recorded offset, backwards too; before the first: the stream start): events wait when the current position is
+  past it. ``startup_mode: snapshot``: no event waits (only staged windows and checks ask for batches). On the test
+  server a new dialect object starts looking for the newest event from the stored stream start or acknowledged
+  position (each was the newest event some process had seen, or before it), not from the oplog's start.
 - Connection failures raise ``SourceError`` with the connection string redacted (``client.source_error``).
 """
 
@@ -40,14 +53,15 @@ import pymongo
 from pymongo import monitoring
 from pymongo.errors import PyMongoError
 
-from cdc_assets.config import MongoConnection, SourceConfig
+from cdc_assets.config import MongoConnection, MongoOptions, SourceConfig
 from cdc_assets.dialect import ChangeBatch, Offset, OffsetError, TableChanges
 from cdc_assets.engine.chunks import Chunk, ChunkPlan
 from cdc_assets.engine.windows import FILL_CHUNK
 from cdc_assets.lake import staging
+from cdc_assets.lake.layout import SourceLake
 from cdc_assets.lake.schema import spark_fields
-from cdc_assets.source import PermanentBatchError, SourceLag
-from cdc_assets.sources.mongodb import catalog, snapshot, stream
+from cdc_assets.source import PermanentBatchError, SourceError, SourceLag
+from cdc_assets.sources.mongodb import catalog, history, snapshot, stream
 from cdc_assets.sources.mongodb import client as clients
 from cdc_assets.sources.mongodb.catalog import ARROW_SCHEMA, COLUMNS, CapturedCollection, SkippedCollection
 from cdc_assets.sources.mongodb.consistency import MongoCheckSession
@@ -67,7 +81,9 @@ if TYPE_CHECKING:
 
 SETTLED_RULE = MongoSettledRule()
 START_FILE = "mongodb_stream_start.json"
-ACKNOWLEDGED_FILE = "mongodb_acknowledged.json"
+# written before the acknowledged position moved to the generic _cdc/acknowledged (always written beside it):
+# no longer read, removed when found
+LEGACY_ACKNOWLEDGED_FILE = "mongodb_acknowledged.json"
 
 
 def _write_once(path: Path, data: dict[str, Any]) -> None:
@@ -80,13 +96,6 @@ def _write_once(path: Path, data: dict[str, Any]) -> None:
         pass
     finally:
         temporary.unlink(missing_ok=True)
-
-
-def _replace(path: Path, data: dict[str, Any]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_name(f".{path.name}.{uuid.uuid4().hex}")
-    temporary.write_text(json.dumps(data))
-    os.replace(temporary, path)
 
 
 def _read_position(path: Path) -> int | None:
@@ -153,6 +162,7 @@ def _reader(path: Path):
 
 class MongoDialect:
     settled_rule = SETTLED_RULE
+    bounded_reads = True
 
     def __init__(
         self, source: SourceConfig, control: str | os.PathLike[str],
@@ -163,13 +173,17 @@ class MongoDialect:
         self.source = source
         self.connection: MongoConnection = source.connection
         self.control = Path(control)
+        self.lake = SourceLake.of_control(self.control)
         self.listeners = tuple(listeners)
-        self.full_document = source.mongodb.full_document if source.mongodb is not None else "updateLookup"
+        options = source.mongodb if source.mongodb is not None else MongoOptions()
+        self.full_document = options.full_document
+        self.on_history_lost = options.on_history_lost
         self._client: pymongo.MongoClient | None = None
         self._capabilities: clients.Capabilities | None = None
         self._tables: list[CapturedCollection] | None = None
         self.latest = clients.LatestEvent()
         self._seeded = False
+        self._oplog_unreadable = False
 
     # -- connection ------------------------------------------------------------------------------------------
     @property
@@ -210,8 +224,7 @@ class MongoDialect:
         capabilities = self.capabilities
         namespaces = [t.namespace for t in self._captured()]
         if not self._seeded:  # every event at or before a stored position was seen by the process that stored it
-            for name in (START_FILE, ACKNOWLEDGED_FILE):
-                stored = _read_position(self.control / name)
+            for stored in (_read_position(self.control / START_FILE), self.lake.acknowledged()):
                 if stored is not None:
                     self.latest.note(stored)
             self._seeded = True
@@ -220,14 +233,77 @@ class MongoDialect:
             lambda: clients.current_position(self.client, capabilities, self.latest, namespaces),
         )
 
+    # -- the oplog window ------------------------------------------------------------------------------------
+    def _first_oplog_entry(self) -> int | None:
+        """``local.oplog.rs``'s first entry, or None (asked once per object when the user may not read it)."""
+        if self._oplog_unreadable:
+            return None
+        first = history.first_oplog_entry(self.client)
+        self._oplog_unreadable = first is None
+        return first
+
+    def oplog_window(self) -> history.OplogWindow:
+        current = self.current_position()
+        tables = self._captured()
+        probe = tables[0] if tables else None
+        return self._call("reading the oplog window", lambda: history.read_window(self.client, probe, current))
+
+    def _refusal(self, field: str, text: str, position: int) -> str | None:
+        """Why a stream cannot start after ``position`` (a requested offset or start), or None. A start the server
+        may take costs one read of the oplog's first entry or one probe; the window's bounds (for the message, by
+        probes where ``local`` cannot be read) are found only for a refusal."""
+        current = self.current_position()
+        future = position > current or timestamp_of(position).time > int(datetime.now(UTC).timestamp())
+        if not future:
+            first = self._first_oplog_entry()
+            tables = self._captured()
+            if first is not None:
+                reachable = position >= first - 1
+            elif tables:
+                reachable = self._call(
+                    "probing the oplog", lambda: history.probe_start(self.client, tables[0], position + 1)
+                )
+            else:
+                reachable = True  # nothing captured, nothing to miss
+            if reachable:
+                return None
+        window = self.oplog_window()
+        if future:
+            return (
+                f"{field}: {text!r} is cluster time {format_position(position)}, in the future: the server is at "
+                f"{format_position(current)}; allowed: {window.allowed()}"
+            )
+        return history.unreachable_message(field, text, position, window)
+
     # -- tables ----------------------------------------------------------------------------------------------
     def discover(self) -> tuple[list[CapturedCollection], list[SkippedCollection]]:
         tables, skipped = self._call("listing collections", lambda: catalog.discover(self.client, self.source))
         self._tables = tables
         if _read_position(self.control / START_FILE) is None:
-            position = self.current_position()
-            _write_once(self.control / START_FILE, {"position": position, "at": datetime.now(UTC).isoformat()})
+            position = self._startup_position()
+            _write_once(
+                self.control / START_FILE,
+                {"position": position, "at": datetime.now(UTC).isoformat(), "startup_mode": self.source.startup_mode,
+                 "startup_timestamp": self.source.startup_timestamp},
+            )  # fmt: skip
         return tables, skipped
+
+    def _startup_position(self) -> int:
+        """Where the stream starts when no offset is recorded (see the module docstring)."""
+        text = self.source.startup_timestamp
+        if self.source.startup_mode != "timestamp" or text is None:
+            return self.current_position()
+        try:
+            position = parse_timestamp(text)
+        except ValueError as error:
+            raise SourceError(f"source {self.source.name!r}: startup_timestamp: {error}") from None
+        refusal = self._refusal("startup_timestamp", text, position)
+        if refusal is not None:
+            raise SourceError(
+                f"source {self.source.name!r} (startup_mode: timestamp): {refusal}. Set startup_timestamp inside the "
+                "window, or use startup_mode initial (snapshot, then stream) or latest (stream from now)"
+            )
+        return position
 
     def stream_start(self) -> int:
         position = _read_position(self.control / START_FILE)
@@ -256,39 +332,62 @@ class MongoDialect:
     # -- stream ----------------------------------------------------------------------------------------------
     def read_batch(
         self, recorded: Offset | None, tables: Mapping[str, CapturedCollection], spill_dir: Path, max_changes: int,
-        max_bytes: int,
+        max_bytes: int, until: int | None = None,
     ) -> ChangeBatch:  # fmt: skip
         after = self.stream_start() if recorded is None else self.position(recorded)
+        if until is not None and until <= after:  # nothing to read up to until
+            return self._batch(after, None, recorded)
         capabilities = self.capabilities
-        batch, written = self._call(
-            "reading the change streams",
-            lambda: stream.read_batch(
-                self.client, capabilities, self.latest, list(tables.values()), after + 1, max_changes, max_bytes,
-                self.full_document, spill_dir,
-            ),
-        )  # fmt: skip
+        captured = list(tables.values())
+        try:
+            first = self._first_oplog_entry()
+            if history.gap_before(after, first):
+                raise history.HistoryLost(None, f"the oplog's first entry {format_position(first)} is after it")
+            batch, written = self._call(
+                "reading the change streams",
+                lambda: stream.read_batch(
+                    self.client, capabilities, self.latest, captured, after + 1, max_changes, max_bytes,
+                    self.full_document, spill_dir, until=until,
+                ),
+            )  # fmt: skip
+        except history.HistoryLost as lost:
+            return self._history_lost(lost, after, captured)
         changes = {
             name: TableChanges(changes=table.changes, bytes=table.bytes, parts=table.parts, frame=_reader(table.path))
             for name, table in written.items()
         }
-        token = batch.last_token
-        if token is None or token_position(token) != batch.applied:
-            if not capabilities.cluster_time:
-                token = f"{timestamp_of(batch.applied).time:08x}{timestamp_of(batch.applied).inc:08x}"
+        return self._batch(
+            batch.applied, batch.last_token, recorded, tables=changes, changes=batch.changes,
+            transactions=batch.groups, bytes=batch.bytes, cut=batch.cut, last_commit_ts=batch.last_ts,
+            lag_bytes=batch.waiting,
+        )  # fmt: skip
+
+    def _batch(self, applied: int, token: str | None, recorded: Offset | None, **figures: Any) -> ChangeBatch:
+        """A ``ChangeBatch`` ending at ``applied``: the offset's token is the last applied event's, else (the test
+        server) the position's own form, else the recorded one (a real server: no event read since)."""
+        if token is None or token_position(token) != applied:
+            if not self.capabilities.cluster_time:
+                token = f"{timestamp_of(applied).time:08x}{timestamp_of(applied).inc:08x}"
             elif token is None and recorded is not None:
                 token = recorded.get("resume_token")  # type: ignore[assignment]
-        applied = timestamp_of(batch.applied)
+        at = timestamp_of(applied)
+        defaults: dict[str, Any] = {
+            "tables": {}, "changes": 0, "transactions": 0, "bytes": 0, "cut": False, "last_commit_ts": None,
+            "lag_bytes": 0,
+        }  # fmt: skip
         return ChangeBatch(
-            applied=batch.applied,
-            offset={"sec": applied.time, "ord": applied.inc, "resume_token": token},
-            tables=changes,
-            changes=batch.changes,
-            transactions=batch.groups,
-            bytes=batch.bytes,
-            cut=batch.cut,
-            last_commit_ts=batch.last_ts,
-            lag_bytes=batch.waiting,
+            applied=applied, offset={"sec": at.time, "ord": at.inc, "resume_token": token}, **(defaults | figures)
         )
+
+    def _history_lost(self, lost: history.HistoryLost, after: int, tables: list[CapturedCollection]) -> ChangeBatch:
+        window = self.oplog_window()
+        if self.on_history_lost != "resnapshot":
+            raise PermanentBatchError(
+                history.history_lost_message(self.source.name, tables, lost.table, after, window, lost.cause)
+            )
+        restart = window.current
+        reason = history.resnapshot_reason(self.source.name, tables, lost.table, after, restart, window, lost.cause)
+        return self._batch(restart, None, None, resnapshot=reason)
 
     def position(self, offset: Offset) -> int:
         try:
@@ -300,13 +399,10 @@ class MongoDialect:
         return format_position(position)
 
     def acknowledge(self, offset: Offset) -> int:
-        """MongoDB keeps nothing for us: only remember the position (for ``pending``/``lag`` of other processes)."""
-        position = self.position(offset)
-        known = _read_position(self.control / ACKNOWLEDGED_FILE)
-        if known is None or position > known:
-            _replace(self.control / ACKNOWLEDGED_FILE, {"position": position})
-            return position
-        return known
+        """MongoDB keeps nothing for us: nothing to tell the server (``CdcPipeline.acknowledge`` records the position
+        in the lake, which ``pending`` and ``lag`` read)."""
+        (self.control / LEGACY_ACKNOWLEDGED_FILE).unlink(missing_ok=True)
+        return self.position(offset)
 
     def validate_offset(self, requested: Mapping[str, str]) -> dict[str, object]:
         given = sorted(k for k in requested if k in ("resume_token", "timestamp"))
@@ -322,30 +418,28 @@ class MongoDialect:
             position = token_position(text) if field == "resume_token" else parse_timestamp(text)
         except ValueError as error:
             raise OffsetError(f"{field}: {error}") from None
-        current = self.current_position()
-        now = int(datetime.now(UTC).timestamp())
-        if position > current or timestamp_of(position).time > now:
-            raise OffsetError(
-                f"{field}: {text!r} is cluster time {format_position(position)}, in the future: the server is at "
-                f"{format_position(current)}; allowed: a cluster time at or before it"
-            )
+        refusal = self._refusal(field, text, position)
+        if refusal is not None:
+            raise OffsetError(refusal)
         at = timestamp_of(position)
         token = text if field == "resume_token" else None
         return {"sec": at.time, "ord": at.inc, "resume_token": token}
 
+    def _acknowledged(self) -> int:
+        """The lake's acknowledged position (the recorded offset's, once acknowledged), else the stream start."""
+        acknowledged = self.lake.acknowledged()
+        return acknowledged if acknowledged is not None else self.stream_start()
+
     def pending(self, lag: SourceLag | None) -> tuple[str | None, int]:
         current = self.current_position()
-        if lag is None:
-            acknowledged = _read_position(self.control / ACKNOWLEDGED_FILE)
-            waiting = current > (acknowledged if acknowledged is not None else self.stream_start())
-        else:
-            waiting = lag.changes_waiting
+        if self.source.startup_mode == "snapshot":
+            return None, current  # no streaming: only staged windows and waiting checks ask for a batch
+        waiting = current > self._acknowledged() if lag is None else lag.changes_waiting
         return ("change events wait after the recorded position" if waiting else None), current
 
     def lag(self) -> SourceLag:
         current = self.current_position()
-        acknowledged = _read_position(self.control / ACKNOWLEDGED_FILE)
-        behind = acknowledged if acknowledged is not None else self.stream_start()
+        behind = self._acknowledged()
         seconds = 0.0
         if current > behind:
             seconds = max(0.0, datetime.now(UTC).timestamp() - timestamp_of(behind).time)

@@ -26,6 +26,9 @@ Contract (``read_batch``):
   the update, not ``{_id}``) the event yields no row: a delete of that ``_id`` follows it in the stream, is
   applied, and is unsettled for every window whose low watermark precedes the update, so nothing is lost.
   delete -> ``d`` with the key alone as before image (``_cdc_before_key_only``). No pre-images.
+- ``until`` (``startup_mode: snapshot``): the bound is lowered to it, so no event after it is taken.
+- A stream the server cannot start or go on with because the oplog no longer holds its history (errors 286, 280:
+  ``history.is_history_lost``) raises ``history.HistoryLost`` naming its collection; nothing is taken.
 - ``drop``, ``rename``, ``dropDatabase`` and ``invalidate`` of a captured collection raise ``PermanentBatchError``
   naming it before anything is written (the offset does not move). The test server's ``drop`` events carry no
   ``ns`` and reach every stream of the database: one counts when the stream's collection no longer exists. A
@@ -39,18 +42,21 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pymongo
+from pymongo.errors import OperationFailure
 
 from cdc_assets.source import PermanentBatchError
 from cdc_assets.sources.mongodb import client as clients
 from cdc_assets.sources.mongodb.bson_order import canonical_json
 from cdc_assets.sources.mongodb.catalog import ARROW_SCHEMA, KEY_COLUMN, CapturedCollection, document_row, id_key
+from cdc_assets.sources.mongodb.history import HistoryLost, describe_cause, is_history_lost
 from cdc_assets.sources.mongodb.watermark import format_position, position_of, token_position, token_text
 
+_T = TypeVar("_T")
 REACH_SECONDS = 10.0
 SPILL_BYTES = 32 << 20  # a table's buffered rows written as a row group past this (canonical JSON bytes)
 SPILL_ROWS = 50_000
@@ -95,6 +101,16 @@ def open_stream(
     client: pymongo.MongoClient, table: CapturedCollection, start: int, full_document: str
 ) -> clients.ChangeCursor:
     return clients.ChangeCursor(client[table.database][table.collection], start, full_document)
+
+
+def _guarded(table: CapturedCollection, action: Callable[[], _T]) -> _T:
+    """``action()``, with the server's history-lost error as ``HistoryLost`` naming ``table``."""
+    try:
+        return action()
+    except OperationFailure as error:
+        if is_history_lost(error):
+            raise HistoryLost(table, describe_cause(error)) from None
+        raise
 
 
 def _token(event: Mapping[str, Any]) -> str | None:
@@ -161,7 +177,7 @@ class Merge:
         self.deadlines = {name: time.monotonic() + REACH_SECONDS for name in cursors}
 
     def _pull(self, name: str) -> Event | None:
-        raw = self.cursors[name].try_next()
+        raw = _guarded(self.tables[name], self.cursors[name].try_next)
         if raw is None:
             return None
         self.order += 1
@@ -208,9 +224,10 @@ class Merge:
 def read_batch(
     client: pymongo.MongoClient, capabilities: clients.Capabilities, latest: clients.LatestEvent,
     tables: Sequence[CapturedCollection], start: int, max_changes: int, max_bytes: int, full_document: str,
-    spill_dir: Path, on_bound: Callable[[int], None] | None = None,
+    spill_dir: Path, on_bound: Callable[[int], None] | None = None, until: int | None = None,
 ) -> tuple[StreamBatch, dict[str, SpilledTable]]:  # fmt: skip
-    """Events after position ``start - 1`` (see the module docstring), their rows spilled to ``spill_dir``."""
+    """Events after position ``start - 1`` and at or before ``until`` (see the module docstring), their rows spilled
+    to ``spill_dir``."""
     check_collections_exist(client, tables)
     by_name = {t.qualified_name: t for t in tables}
     if capabilities.cluster_time and (found := clients.operation_time(client)) is not None:
@@ -218,11 +235,15 @@ def read_batch(
     else:  # the test server: the newest event of the captured collections (read without their documents)
         bound = max(clients.current_position(client, capabilities, latest, [t.namespace for t in tables]), start - 1)
     latest.note(bound)
+    if until is not None:
+        bound = max(min(bound, until), start - 1)
     if on_bound is not None:
         on_bound(bound)
-    cursors = {name: open_stream(client, table, start, full_document) for name, table in by_name.items()}
+    cursors: dict[str, clients.ChangeCursor] = {}
     spill = Spill(spill_dir)
     try:
+        for name, table in by_name.items():
+            cursors[name] = _guarded(table, lambda table=table: open_stream(client, table, start, full_document))
         merge = Merge(cursors, by_name, start, bound, capabilities.cluster_time)
         batch = _rows(_checked(client, merge), lambda: max(merge.reached, start - 1), max_changes, max_bytes, spill.add)
         batch.waiting += merge.waiting()

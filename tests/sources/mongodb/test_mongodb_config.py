@@ -81,8 +81,45 @@ def test_unsupported_modes_are_named_with_the_allowed_ones() -> None:
     with pytest.raises(ConfigError, match=r"full_document: 'whenAvailable' is not supported; allowed: updateLookup"):
         parse({**SOURCE, "mongodb": {"full_document": "whenAvailable"}})
     with pytest.raises(
-        ConfigError, match=r"startup_mode: 'latest' is not implemented for MongoDB yet; allowed: initial"
+        ConfigError, match=r"startup_mode: 'earliest' is not allowed; allowed: initial, latest, snapshot, timestamp"
     ):
-        parse({**SOURCE, "startup_mode": "latest"})
+        parse({**SOURCE, "startup_mode": "earliest"})
     with pytest.raises(ConfigError, match=r"kind: 'mysql' is not supported; allowed: postgres, mongodb"):
         parse({**SOURCE, "kind": "mysql"})
+    with pytest.raises(ConfigError, match=r"on_history_lost: 'skip' is not allowed; allowed: fail, resnapshot"):
+        parse({**SOURCE, "mongodb": {"on_history_lost": "skip"}})
+
+
+def test_every_startup_mode_and_the_history_lost_option() -> None:
+    for mode in ("initial", "latest", "snapshot"):
+        source = parse({**SOURCE, "startup_mode": mode}).source("docs")
+        assert (source.startup_mode, source.startup_timestamp) == (mode, None)
+    assert parse(SOURCE).source("docs").mongodb.on_history_lost == "fail"
+    options = parse({**SOURCE, "mongodb": {"on_history_lost": "resnapshot"}}).source("docs").mongodb
+    assert options == MongoOptions(on_history_lost="resnapshot")
+
+
+@pytest.mark.parametrize(
+    ("given", "kept"), [("1795724544", "1795724544"), (" 1795724544:12 ", "1795724544:12"), (1795724544, "1795724544")]
+)
+def test_a_timestamp_start_takes_a_cluster_time(given, kept) -> None:
+    source = parse({**SOURCE, "startup_mode": "timestamp", "startup_timestamp": given}).source("docs")
+    assert (source.startup_mode, source.startup_timestamp) == ("timestamp", kept)
+
+
+@pytest.mark.parametrize("bad", ["", "x", "1:2:3", "-1", "1.5", "4294967296", "1:4294967296", 107743472640 + 12, True])
+def test_a_timestamp_start_in_another_form_is_refused_naming_the_forms(bad) -> None:
+    # 107743472652 is what YAML 1.1 makes of an unquoted 1795724544:12 (base 60)
+    with pytest.raises(ConfigError, match=r"startup_timestamp: .* is not SEC or SEC:ORD .*quote SEC:ORD in YAML"):
+        parse({**SOURCE, "startup_mode": "timestamp", "startup_timestamp": bad})
+
+
+def test_a_timestamp_start_needs_its_timestamp_and_only_it_reads_one() -> None:
+    with pytest.raises(ConfigError, match=r"startup_timestamp: required with startup_mode: timestamp; allowed: SEC"):
+        parse({**SOURCE, "startup_mode": "timestamp"})
+    with pytest.raises(ConfigError, match=r"startup_timestamp: only read with startup_mode: timestamp \(the mode is"):
+        parse({**SOURCE, "startup_mode": "latest", "startup_timestamp": "1795724544"})
+    postgres = {"name": "pg", "kind": "postgres", "connection": {"host": "h", "dbname": "d", "user": "u"},
+                "include": ["public.*"], "startup_mode": "timestamp", "startup_timestamp": "1"}  # fmt: skip
+    with pytest.raises(ConfigError, match=r"'timestamp' is not possible for PostgreSQL"):
+        parse(postgres)
