@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Install everything the project needs on a fresh machine (idempotent):
-#   Debian packages (PostgreSQL 15 server, Java 17, Maven) when missing, a Python 3.11 virtualenv in .venv with
+#   Debian packages (PostgreSQL 15 server, Java 17, Maven, and Chromium for the browser tests, which Playwright
+#   drives: no browser is downloaded by Playwright) when missing, a Python 3.11 virtualenv in .venv with
 #   the project and its dev extras from PyPI, the Delta JVM jars via Maven into the git-ignored .jars/, and the
 #   MongoDB test server (jvm/mongo-test-server, built with Maven) with its dependencies into .jars/mongo-test-server/
 #   (a folder of its own: Spark loads every jar directly in .jars/, and the test server's netty 4.2 must not be there).
@@ -12,6 +13,7 @@ need_apt=()
 [ -x /usr/lib/postgresql/15/bin/postgres ] || need_apt+=(postgresql-15 postgresql-client-15)
 command -v java >/dev/null || need_apt+=(openjdk-17-jdk-headless)
 command -v mvn >/dev/null || need_apt+=(maven)
+command -v chromium >/dev/null || need_apt+=(chromium)
 if [ ${#need_apt[@]} -gt 0 ]; then
   SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
   $SUDO apt-get update -q

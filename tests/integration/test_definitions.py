@@ -534,7 +534,7 @@ def test_the_stream_sensor_records_lag_and_fails_the_lag_check_while_the_stream_
     path, admin_dsn = config_path
     config = stream_config(path, "max_lag_alert_seconds: 2", "cdc-lag.yaml")
     defs = build_definitions(config)
-    sensor = defs.get_sensor_def("defs_stream_sensor")
+    sensor = defs.resolve_sensor_def("defs_stream_sensor")
     home = tmp_path / "dagster_home"
     home.mkdir()
     instance = DagsterInstance.from_ref(InstanceRef.from_dir(str(home)))

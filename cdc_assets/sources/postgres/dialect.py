@@ -195,9 +195,11 @@ class PostgresDialect:
             if recorded_lsn is not None and recorded_lsn > confirmed:
                 # the offset was recorded but the slot did not follow yet (or change_offset moved it): follow now
                 stream.advance_slot(conn, self.source.slot, recorded_lsn)
-            batch = stream.read_batch(
-                conn, self.source.slot, self.source.publication, dict(tables), spill_dir, max_changes,
-                settings.spill_rows, max_bytes, settings.spill_bytes,
+            batch = stream.when_slot_free(  # a sensor's probe may be peeking the slot: the batch waits for it
+                lambda: stream.read_batch(
+                    conn, self.source.slot, self.source.publication, dict(tables), spill_dir, max_changes,
+                    settings.spill_rows, max_bytes, settings.spill_bytes,
+                )
             )  # fmt: skip
             server_flush = stream.current_flush_lsn(conn)
         offset: dict[str, object] = {

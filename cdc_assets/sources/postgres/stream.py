@@ -28,15 +28,20 @@ Contract:
   that is not captured (a skipped table in a ``FOR ALL TABLES`` publication) is not spilled.
 - An unchanged TOAST value is recorded in ``_cdc_unchanged`` (column names) and its typed value is NULL; when the
   old tuple carries the full old row (replica identity FULL) the old value is used instead.
+- One session at a time: PostgreSQL refuses a peek of a slot another session is using ("replication slot ... is
+  active for PID ..."), and the streaming sensor's lag probe, a stream run's poll and its batch read meet there now
+  and then. ``when_slot_free`` runs a peek again until the slot is free, for up to ``SLOT_BUSY_SECONDS``.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 import psycopg
@@ -55,6 +60,10 @@ from cdc_assets.sources.postgres.snapshot import in_recovery
 from cdc_assets.sources.postgres.watermark import widen_xid
 
 ROW_CHANGE_TYPES = frozenset(b"IUD")  # Insert, Update, Delete
+# how long a peek waits for a slot that another session is using (a probe takes milliseconds, a batch read longer)
+SLOT_BUSY_SECONDS = 30.0
+SLOT_BUSY_PAUSE_SECONDS = 0.2
+T = TypeVar("T")
 META_COLUMNS = ("_cdc_op", "_cdc_commit_lsn", "_cdc_seq", "_cdc_before_key_only", "_cdc_unchanged")
 
 
@@ -182,25 +191,43 @@ def advance_slot(conn: psycopg.Connection, slot: str, lsn: int) -> int:
     return parse_lsn(end)
 
 
+def when_slot_free(peek: Callable[[], T], seconds: float = SLOT_BUSY_SECONDS) -> T:
+    """``peek()``, run again while it fails because another session is using the slot, for up to ``seconds``; then
+    that failure. Only for a peek that fails before it reads anything (a slot is taken when the peek starts) on an
+    autocommit connection, or inside a transaction block it leaves."""
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            return peek()
+        except psycopg.errors.ObjectInUse:
+            if time.monotonic() >= deadline:
+                raise
+            time.sleep(SLOT_BUSY_PAUSE_SECONDS)
+
+
 def has_pending_changes(conn: psycopg.Connection, slot: str, publication: str) -> bool:
     """Whether the slot holds at least one change for the publication (decodes up to one transaction)."""
-    row = conn.execute(
-        "select 1 from pg_logical_slot_peek_binary_changes(%s, null, 1, 'proto_version', '1', "
-        "'publication_names', %s) limit 1",
-        [slot, publication],
-    ).fetchone()
+    row = when_slot_free(
+        lambda: conn.execute(
+            "select 1 from pg_logical_slot_peek_binary_changes(%s, null, 1, 'proto_version', '1', "
+            "'publication_names', %s) limit 1",
+            [slot, publication],
+        ).fetchone()
+    )
     return row is not None
 
 
 def oldest_pending_commit(conn: psycopg.Connection, slot: str, publication: str) -> datetime | None:
     """The commit time of the oldest transaction the slot holds for the publication, None when it holds none
     (decodes up to one transaction: its first message is its Begin)."""
-    row = conn.execute(
-        "select data from pg_logical_slot_peek_binary_changes(%s, null, 1, 'proto_version', '1', "
-        "'publication_names', %s) limit 1",
-        [slot, publication],
-        binary=True,
-    ).fetchone()
+    row = when_slot_free(
+        lambda: conn.execute(
+            "select data from pg_logical_slot_peek_binary_changes(%s, null, 1, 'proto_version', '1', "
+            "'publication_names', %s) limit 1",
+            [slot, publication],
+            binary=True,
+        ).fetchone()
+    )
     if row is None:
         return None
     message = PgOutputDecoder().decode(row[0])

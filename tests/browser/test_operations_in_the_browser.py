@@ -1,0 +1,244 @@
+"""The everyday operations, done the way a user does them: in the Dagster UI, in a real browser.
+
+Headless Chromium (Debian's package) driven by Playwright against ``dagster dev`` on a small demo database
+(``tests/browser/conftest.py``): the offset job refused from the Launchpad, a table added at the source and
+snapshotted after "Reload definitions", a backfill of two chunk partitions, and the stream's lag plotted. Each test
+asserts on what the UI shows and on the lake or the source behind it; screenshots go to ``.artifacts/browser/``.
+
+The tests run in this order and share the server: the offset refusal comes first, while no stream run has started;
+the added table comes before the backfill, so that the first stream run (which keeps its Spark driver for
+``run_seconds``) starts after the table exists and knows it.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+
+import pytest
+from dagster import DagsterEventType, DagsterRunStatus
+from playwright.sync_api import Locator, Page, expect
+from pyspark.sql import SparkSession
+
+from cdc_assets.assets import change_offset_job_name, stream_asset_key
+from cdc_assets.config import load_config
+from cdc_assets.engine.chunks import chunk_partition_key
+from cdc_assets.lake.layout import SourceLake
+from cdc_assets.sources.postgres.pipeline import PostgresPipeline
+from tests.browser.ui_support import SOURCE, DagsterUi, screenshot
+from tests.integration.support import mirror_rows, source_rows
+
+pytestmark = pytest.mark.timeout(1200)
+# a snapshot run and the stream run that reconciles it each start a Spark driver; the backfill's runs also check
+# every chunk once the stream has passed its window
+BACKFILL_TIMEOUT_MS = 900_000
+RUN_TIMEOUT_MS = 300_000
+PLANNER_TIMEOUT_MS = 180_000  # the planner sensor ticks every 30 s
+INVALID_LSN = "FFFFFFFF/FFFFFFFF"  # well formed, far ahead of the server's WAL
+LAUNCHPAD_CONFIG = f"""ops:
+  {SOURCE}_record_offset:
+    config:
+      lsn: {INVALID_LSN}
+      changed_by: browser test
+      reason: an offset ahead of the server's WAL must be refused
+"""
+BACKFILL_DONE = re.compile(r"^(Succeeded|Completed|Failed|Canceled)$")
+# a plot's points and lines are drawn in colour; its axes, grid and labels are grey
+COLOURED_PIXELS = """canvas => {
+  const data = canvas.getContext('2d').getImageData(0, 0, canvas.width, canvas.height).data;
+  let coloured = 0;
+  for (let i = 0; i < data.length; i += 4) {
+    const high = Math.max(data[i], data[i + 1], data[i + 2]), low = Math.min(data[i], data[i + 1], data[i + 2]);
+    if (data[i + 3] > 128 && high - low > 80) coloured++;
+  }
+  return coloured;
+}"""
+
+
+def slot_position(ui: DagsterUi) -> str:
+    with ui.admin() as admin:
+        row = admin.execute(
+            "select confirmed_flush_lsn::text from pg_replication_slots where slot_name = current_database()"
+        ).fetchone()
+    assert row is not None, "the planner sensor creates the slot at its first tick"
+    return row[0]
+
+
+def latest_offset_event(ui: DagsterUi) -> int | None:
+    """The storage id of the stream asset's latest materialization (its recorded offset), None before any."""
+    instance = ui.instance()
+    try:
+        event = instance.get_latest_materialization_event(stream_asset_key(SOURCE))
+        return None if event is None else event.storage_id
+    finally:
+        instance.dispose()
+
+
+def wait_until_shown(page: Page, locator: Locator, timeout_ms: int) -> None:
+    """Wait for ``locator`` to show, pressing the page's refresh button now and then (a page refreshes its data on
+    its own, but not every view does)."""
+    deadline = timeout_ms
+    while True:
+        try:
+            expect(locator).to_be_visible(timeout=min(20_000, deadline))
+            return
+        except AssertionError:
+            deadline -= 20_000
+            if deadline <= 0:
+                raise
+            page.get_by_role("button", name="refresh").first.click()
+
+
+def launch_backfill(page: Page, choose: Callable[[Locator], None], partitions: int) -> str:
+    """On an asset's page: "Materialize…", ``choose`` the partitions in the dialog, launch; returns the backfill id
+    from the confirmation."""
+    page.get_by_role("button", name="Materialize…").click()
+    dialog = page.get_by_role("dialog").filter(has_text="Launch runs to materialize")
+    choose(dialog)
+    expect(dialog.get_by_text(f"{partitions} partitions", exact=True)).to_be_visible()
+    dialog.get_by_role("button", name="Launch backfill").click()
+    created = page.get_by_text(re.compile(r"^Created backfill \w+$"))
+    expect(created).to_be_visible()
+    return (created.text_content() or "").split()[-1]
+
+
+def wait_for_backfill(page: Page, ui: DagsterUi, backfill_id: str) -> Locator:
+    """Open the backfill's page and wait until its status is final; returns the status."""
+    page.goto(f"{ui.url}/runs/b/{backfill_id}")
+    status = page.get_by_text("Status", exact=True).locator("xpath=following-sibling::div[1]")
+    expect(status).to_have_text(BACKFILL_DONE, timeout=BACKFILL_TIMEOUT_MS)
+    return status
+
+
+def captured(ui: DagsterUi, qualified_name: str):
+    """The source's configuration and the captured table (as the pipeline sees it)."""
+    config = load_config(ui.config)
+    source = config.source(SOURCE)
+    return source, PostgresPipeline(config, source).prepare()[qualified_name]
+
+
+def test_change_offset_from_the_launchpad_refuses_an_lsn_ahead_of_the_server_and_moves_nothing(
+    dagster_ui: DagsterUi, page: Page
+) -> None:
+    page.goto(f"{dagster_ui.url}/locations/cdc_lake/jobs/{change_offset_job_name(SOURCE)}/playground")
+    editor = page.locator(".CodeMirror")
+    expect(editor).to_be_visible()
+    slot_before, offset_before = slot_position(dagster_ui), latest_offset_event(dagster_ui)
+    editor.click()
+    page.keyboard.press("Control+A")
+    page.keyboard.insert_text(LAUNCHPAD_CONFIG)  # what pasting the run config does
+    launch = page.get_by_role("button", name="Launch Run")
+    expect(launch).to_be_enabled()
+    screenshot(page, "1-change-offset-launchpad")
+    launch.click()
+    page.wait_for_url(re.compile(r"/runs/[0-9a-f-]{36}"))
+    run_id = page.url.rstrip("/").split("/")[-1].split("?")[0]
+    refusal = rf"lsn: {INVALID_LSN} is outside the allowed range \[[0-9A-F]+/[0-9A-F]+, [0-9A-F]+/[0-9A-F]+\]"
+    expect(page.get_by_text(re.compile(refusal)).first).to_be_visible(timeout=RUN_TIMEOUT_MS)
+    expect(page.get_by_text("Failure", exact=True).first).to_be_visible()
+    screenshot(page, "1-change-offset-refused")
+
+    instance = dagster_ui.instance()
+    try:
+        run = instance.get_run_by_id(run_id)
+        assert run is not None and run.job_name == change_offset_job_name(SOURCE), run
+        assert run.status == DagsterRunStatus.FAILURE
+        recorded = instance.all_logs(run_id, of_type=DagsterEventType.ASSET_MATERIALIZATION)
+    finally:
+        instance.dispose()
+    assert recorded == []  # no offset recorded by the refused run
+    assert latest_offset_event(dagster_ui) == offset_before
+    assert slot_position(dagster_ui) == slot_before
+
+
+def test_a_table_added_at_the_source_is_planned_after_reload_definitions_and_snapshotted_from_the_ui(
+    dagster_ui: DagsterUi, page: Page, spark: SparkSession
+) -> None:
+    with dagster_ui.admin() as admin:  # in the publication (for all tables); readable by default privileges
+        admin.execute("create table refunds (id bigint primary key, order_id bigint, amount numeric(10, 2), note text)")
+        admin.execute("insert into refunds select g, 2 * g, g % 50 + 0.5, 'r' || g from generate_series(1, 250) g")
+    page.goto(f"{dagster_ui.url}/assets")
+    page.get_by_role("button", name="Reload definitions").click()
+    asset = page.get_by_role("link", name=f"{SOURCE} / public / refunds")
+    expect(asset).to_be_visible(timeout=RUN_TIMEOUT_MS)
+    asset.click()
+    page.get_by_role("tab", name="Partitions").click()
+    chunks = [chunk_partition_key(i) for i in range(3)]  # 250 rows, chunks of 100
+    for key in chunks:
+        wait_until_shown(page, page.get_by_text(key, exact=True).first, PLANNER_TIMEOUT_MS)
+    expect(page.get_by_text("Missing (3)", exact=True)).to_be_visible()
+    screenshot(page, "2-added-table-planned")
+
+    backfill = launch_backfill(page, lambda dialog: dialog.get_by_role("button", name="All", exact=True).click(), 3)
+    status = wait_for_backfill(page, dagster_ui, backfill)
+    screenshot(page, "2-added-table-backfill")
+    expect(status).to_have_text("Succeeded")
+    page.goto(f"{dagster_ui.url}/assets/{SOURCE}/public/refunds?view=partitions")
+    wait_until_shown(page, page.get_by_text("Materialized (3)", exact=True), RUN_TIMEOUT_MS)
+    screenshot(page, "2-added-table-materialized")
+
+    source, table = captured(dagster_ui, "public.refunds")
+    mirror = SourceLake(dagster_ui.lake, SOURCE).table("public.refunds").mirror
+    expected = source_rows(source, table)
+    assert len(expected) == 250
+    assert mirror_rows(spark, mirror, table) == expected
+
+
+def test_a_backfill_of_two_chunk_partitions_from_the_ui_succeeds_and_fills_their_rows_in_the_mirror(
+    dagster_ui: DagsterUi, page: Page, spark: SparkSession
+) -> None:
+    page.goto(f"{dagster_ui.url}/assets/{SOURCE}/public/orders?view=partitions")
+    wait_until_shown(page, page.get_by_text(chunk_partition_key(4), exact=True).first, PLANNER_TIMEOUT_MS)
+    wanted = [chunk_partition_key(0), chunk_partition_key(1)]
+
+    def two_chunks(dialog: Locator) -> None:
+        dialog.get_by_text("Select a partition or create one").click()
+        for key in wanted:
+            page.get_by_role("menuitem", name=key).click()
+        dialog.get_by_text("Launch runs to materialize").click()  # closes the list
+
+    backfill = launch_backfill(page, two_chunks, 2)
+    status = wait_for_backfill(page, dagster_ui, backfill)
+    screenshot(page, "3-two-chunks-backfill")
+    expect(status).to_have_text("Succeeded")
+    expect(page.get_by_text("100% completed")).to_be_visible()
+    for key in wanted:
+        expect(page.get_by_text(key, exact=True).first).to_be_visible()  # the partition selection
+
+    plan = SourceLake(dagster_ui.lake, SOURCE).read_plan("public.orders")
+    assert plan is not None and len(plan.chunks) == 5
+    assert plan.chunks[0].lo is None and plan.chunks[1].hi is not None
+    below = int(plan.chunks[1].hi[0])  # chunks 0 and 1: every key below chunk 1's upper bound
+    source, table = captured(dagster_ui, "public.orders")
+    expected = {row for row in source_rows(source, table) if row[0] < below}
+    assert 0 < len(expected) < 500
+    mirror = SourceLake(dagster_ui.lake, SOURCE).table("public.orders").mirror
+    assert mirror_rows(spark, mirror, table) == expected  # those two chunks' rows, and no other
+
+
+def test_the_stream_asset_plots_its_lag_and_its_lag_check_says_within_bounds(dagster_ui: DagsterUi, page: Page) -> None:
+    page.goto(f"{dagster_ui.url}/assets/{SOURCE}/_stream")
+    page.get_by_role("button", name="Plots").click()
+    for metric in ("lag_bytes", "lag_seconds"):
+        title = page.get_by_text(metric, exact=True)
+        canvas = page.locator("div").filter(has=title).filter(has=page.locator("canvas")).last.locator("canvas")
+        expect(canvas).to_be_visible()
+        # drawn: points in colour (an empty plot has none)
+        page.wait_for_function(f"canvas => ({COLOURED_PIXELS})(canvas) > 0", arg=canvas.element_handle())
+    page.get_by_text("lag_bytes", exact=True).scroll_into_view_if_needed()
+    screenshot(page, "4-stream-lag-plots")
+
+    page.get_by_role("tab", name="Checks").click()
+    expect(page.get_by_text("lag_within_bound").first).to_be_visible()
+    within = re.compile(rf"^stream of source '{SOURCE}' lags \d+ bytes, \d+ s: within bounds$")
+    expect(page.get_by_text(within)).to_be_visible()
+    expect(page.get_by_text("Passed", exact=True)).to_be_visible()
+    screenshot(page, "4-stream-lag-check")
+
+    instance = dagster_ui.instance()
+    try:  # what the plots draw: the streaming sensor's observation of the lag on every tick
+        observations = instance.fetch_observations(stream_asset_key(SOURCE), limit=100).records
+    finally:
+        instance.dispose()
+    lags = [r.asset_observation.metadata for r in observations if r.asset_observation is not None]
+    assert len(lags) >= 3 and all({"lag_bytes", "lag_seconds"} <= set(m) for m in lags), lags[:3]
