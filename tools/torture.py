@@ -100,7 +100,7 @@ from tools.torture_source import (  # noqa: E402
     log_to,
 )
 
-SOURCE_KINDS = ("postgres",)
+SOURCE_KINDS = ("postgres", "mongodb")
 SNAPSHOT_POINTS = ("snapshot.before_window_record",)
 STREAM_POINTS = (
     "stream.after_changelog", "stream.after_merge", "stream.after_lake_commit", "stream.after_offset_record",
@@ -122,6 +122,10 @@ def source_kind(kind: str) -> type[TortureSource]:
         from tools.torture_postgres import PostgresTorture
 
         return PostgresTorture
+    if kind == "mongodb":
+        from tools.torture_mongodb import MongoTorture
+
+        return MongoTorture
     raise ValueError(f"source kind {kind!r} has no torture side; allowed: {', '.join(SOURCE_KINDS)}")
 
 
@@ -158,7 +162,8 @@ def apply_patches() -> list[str]:
 def worker_main(role: str, kind: str, result_fd: int, broken: bool, patched: bool) -> int:
     """A long-lived worker: each task is one Dagster-like run with a fresh pipeline (``prepare()``)."""
     import cdc_assets.lake.maintenance as maintenance_module
-    import cdc_assets.sources.postgres.pipeline as pipeline_module
+    import cdc_assets.lake.watermark_window as window_module
+    import cdc_assets.pipeline as pipeline_module
     from cdc_assets.engine import faults
     from cdc_assets.lake.spark import DERBY_OPTION, spark_session
     from cdc_assets.sources import open_source
@@ -170,8 +175,9 @@ def worker_main(role: str, kind: str, result_fd: int, broken: bool, patched: boo
         _emit(channel, {"point": name})
         original(name)
 
-    pipeline_module.fault_point = traced  # type: ignore[attr-defined]
-    maintenance_module.fault_point = traced  # type: ignore[attr-defined]
+    # every module that calls a fault point (each imported the function by name)
+    for module in (pipeline_module, window_module, maintenance_module):
+        module.fault_point = traced  # type: ignore[attr-defined]
     patches = apply_patches() if patched else []
     torture = source_kind(kind)
     if broken and role == "stream":
@@ -586,7 +592,8 @@ class SeedRun:
         events = seed_source.schema_events(r)
         kills = random.Random(f"{self.seed}:kills")  # its own stream: the other events keep their seeded times
         if self.options.faults:
-            events.append((r.uniform(0.45, 0.65), "restart"))
+            if self.source.restart_fault is not None:  # a source that can restart without losing its data
+                events.append((r.uniform(0.45, 0.65), "restart"))
             events += [(r.uniform(0.05, 0.9), "executor") for _ in range(3)]
             events += [(kills.uniform(0.05, 0.9), kind) for kind, count in RUN_KILLS.items() for _ in range(count)]
         events.sort()
@@ -599,7 +606,7 @@ class SeedRun:
                 log(f"seed {self.seed} event {event}")
                 if event == "restart":
                     self.source.restart()
-                    self.note_fault(self.source.restart_fault)
+                    self.note_fault(str(self.source.restart_fault))
                 elif event == "executor":
                     self.lose_executor(r)
                 elif event in RUN_KILLS:
@@ -742,7 +749,7 @@ class SeedRun:
             low, doubt = tally.committed[short], tally.in_doubt[short]
             if not low <= count <= low + doubt:
                 failures.append(
-                    f"table {name}: test_decoding reports {count} changes; the workload committed {low} "
+                    f"table {name}: the source's own log reports {count} changes; the workload committed {low} "
                     f"(+{doubt} in doubt)"
                 )
         return failures

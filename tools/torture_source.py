@@ -99,7 +99,9 @@ class TortureSource(Protocol):
     """One source server under torture, and its kind's worker-side operations."""
 
     kind: str
-    restart_fault: str  # the fault's name in a seed's summary line
+    # the source-restart fault's name in a seed's summary line; None: the server cannot restart without losing its
+    # data (the MongoDB test server is in memory), so the runner schedules no restart
+    restart_fault: str | None
 
     @staticmethod
     def add_arguments(group: argparse._ArgumentGroup) -> None:
