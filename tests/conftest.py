@@ -12,14 +12,16 @@ import pytest
 from tests.integration.mongo_support import REAL_MONGODB_URI_ENV, real_mongodb_uri, start_mongo_test_server
 from tests.integration.support import ABSENT_STANDBY, PG_PORT, PG_SOCKET
 from tests.pipeline_support import FaultPoints, arm_faults
-from tests.tools.torture_support import BackgroundRun, start_broken_run, start_faulted_run
+from tests.tools.torture_support import BackgroundRun, start_broken_run, start_faulted_run, start_mongodb_run
 
 ROOT = Path(__file__).resolve().parents[1]
 BROKEN_TORTURE_RUN = pytest.StashKey[BackgroundRun]()
 FAULTED_TORTURE_RUN = pytest.StashKey[BackgroundRun]()
+MONGODB_TORTURE_RUN = pytest.StashKey[BackgroundRun]()
 BACKGROUND_RUNS = {  # fixture -> (stash key, start, work dir)
     "broken_torture_run": (BROKEN_TORTURE_RUN, start_broken_run, ROOT / ".state" / "torture-broken-run"),
     "faulted_torture_run": (FAULTED_TORTURE_RUN, start_faulted_run, ROOT / ".state" / "torture-faulted-run"),
+    "mongodb_torture_run": (MONGODB_TORTURE_RUN, start_mongodb_run, ROOT / ".state" / "torture-mongodb-run"),
 }
 
 
@@ -50,6 +52,12 @@ def broken_torture_run(request: pytest.FixtureRequest) -> BackgroundRun:
 def faulted_torture_run(request: pytest.FixtureRequest) -> BackgroundRun:
     """The background run with faults started at collection."""
     return request.config.stash[FAULTED_TORTURE_RUN]
+
+
+@pytest.fixture(scope="session")
+def mongodb_torture_run(request: pytest.FixtureRequest) -> BackgroundRun:
+    """The background MongoDB run with faults started at collection."""
+    return request.config.stash[MONGODB_TORTURE_RUN]
 
 
 @pytest.fixture()

@@ -1,8 +1,9 @@
 """The torture harness's short form as the test suite runs it (``tools/torture.py``, issue #3).
 
-Both runs, the faulted one (seed 901, port 54340) and the broken-reconciliation one (seed 903, port 54341), are
+The PostgreSQL runs, the faulted one (seed 901, port 54340) and the broken-reconciliation one (seed 903, port
+54341), and the MongoDB one (seed 905 with faults, ``--source mongodb``, its own test server on a free port) are
 started by ``tests/conftest.py`` as soon as collection selected their tests, in the background, each on its own
-cluster: each is mostly one Spark driver's planning and compiling, and the integration tests before them leave
+server: each is mostly one Spark driver's planning and compiling, and the integration tests before them leave
 much of the two cores idle (they wait on the database, on batches, on JVM starts), so they run beside them instead
 of after them (the faulted run alone took 5 to 9 minutes after the other tests). They run niced (``NICENESS``): at
 full priority they slowed the tests beside them up to fourfold (the drift test of ``test_consistency.py``: 115 s
@@ -24,9 +25,14 @@ TIMEOUT = 2700
 NICENESS = 5  # the background runs yield to the suite's tests (CFS weight 335 against 1024)
 BROKEN_SEED = 903
 FAULTED_SEED = 901
+MONGODB_SEED = 905
+# the MongoDB short form is smaller still (the suite's time budget): fewer documents, one snapshot worker, a shorter
+# workload (it lasts at least until every chunk was read once)
+MONGODB_SHORT = ["--duration", "10", "--scale", "0.2", "--rate", "8", "--chunk-size", "100", "--snapshot-workers", "1"]
 
 
 def torture_command(work_dir: Path, *args: str) -> list[str]:
+    """The short form with ``args``; later options win, so ``args`` may override the short form's."""
     return [sys.executable, str(ROOT / "tools" / "torture.py"), *SHORT, "--work-dir", str(work_dir), *args]
 
 
@@ -90,3 +96,9 @@ def start_broken_run(work_dir: Path) -> BackgroundRun:
         work_dir, "--seeds", str(BROKEN_SEED), "--no-faults", "--broken-reconciliation", "--snapshot-workers", "1",
         "--pg-port", "54341", "--pg-state", str(ROOT / ".state" / "torture-pg-broken"),
     )  # fmt: skip
+
+
+def start_mongodb_run(work_dir: Path) -> BackgroundRun:
+    """Start seed 905 of ``--source mongodb`` with faults in the background (``MONGODB_SHORT``), on the harness's own
+    MongoDB test server (a free port; the server lives in the run and is stopped with it)."""
+    return start_run(work_dir, "--source", "mongodb", "--seeds", str(MONGODB_SEED), *MONGODB_SHORT)
