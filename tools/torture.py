@@ -6,7 +6,8 @@ Contract
 --------
 This module is the runner; the source database's side (server, seeded schema, workload, schema events, checks
 against the source's own log) comes from a ``TortureSource`` (``tools/torture_source.py``) of the source's kind:
-``tools/torture_postgres.py`` for ``--source postgres``, the only kind so far. The runner drives the pipeline only
+``tools/torture_postgres.py`` for ``--source postgres``, ``tools/torture_mongodb.py`` for ``--source mongodb``. The
+runner drives the pipeline only
 through ``cdc_assets.source.CdcSource`` (``prepare``, ``plan``, ``snapshot``, ``stream_batch``, ``acknowledge``),
 so it drives any source that ``open_source`` returns.
 
@@ -37,7 +38,8 @@ deterministic, so a seed fixes the workload's recipe, not its exact interleaving
    recorded), the stream run anywhere from its slot read to its slot advance. An **executor loss**: a Spark Python
    worker process of a snapshot worker is SIGKILLed while a chunk read runs (Spark retries the task, which rewrites
    its staged file, or the run fails and is re-run). A **source restart** (``TortureSource.restart``; PostgreSQL:
-   ``scripts/pg.sh restart``) once mid-run (writers reconnect; runs fail and are re-run).
+   ``scripts/pg.sh restart``) once mid-run (writers reconnect; runs fail and are re-run), for a source whose
+   ``restart_fault`` is not None (MongoDB's test server is in memory: a restart would lose everything).
 5. **Checks**, after the workload stopped and the stream caught up (no waiting window, no change, lag 0): the
    source's ``verify`` in the stream worker (every mirror equals its source row by row and column by column, no
    ``_cdc_unknown``, no duplicate and no gap in the changelog against the source's own log: PostgreSQL's
