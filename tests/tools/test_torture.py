@@ -25,7 +25,7 @@ import re
 
 import pytest
 
-from tests.tools.torture_support import BackgroundRun
+from tests.tools.torture_support import BackgroundRun, Run
 
 
 @pytest.mark.timeout(2800)
@@ -55,7 +55,7 @@ def test_broken_reconciliation_is_caught(broken_torture_run: BackgroundRun) -> N
 
 
 @pytest.mark.timeout(2800)
-def test_mongodb_short_form_with_faults_passes(mongodb_torture_run: BackgroundRun) -> None:
+def test_mongodb_short_form_with_faults_passes(mongodb_torture_run: Run) -> None:
     """``--source mongodb``: seed 905 with faults (no source restart: the test server is in memory) passes; its
     collections held a document of at least 1 MB at the end, and the mirror equals it."""
     returncode, output, tail = mongodb_torture_run.result()

@@ -16,6 +16,8 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -98,7 +100,42 @@ def start_broken_run(work_dir: Path) -> BackgroundRun:
     )  # fmt: skip
 
 
+class ChainedRun:
+    """A background run started only once another one (``before``) has ended, so that no more than two harness runs
+    (each with its Spark drivers) run beside the suite's tests at a time. Same interface as ``BackgroundRun``."""
+
+    def __init__(self, before: BackgroundRun, start: Callable[[], BackgroundRun]) -> None:
+        self.lock = threading.Lock()
+        self.cancelled = False
+        self.run: BackgroundRun | None = None
+        self.thread = threading.Thread(target=self._chain, args=(before, start), daemon=True)
+        self.thread.start()
+
+    def _chain(self, before: BackgroundRun, start: Callable[[], BackgroundRun]) -> None:
+        before.process.wait()
+        with self.lock:
+            if not self.cancelled:
+                self.run = start()
+
+    def result(self) -> tuple[int, str, str]:
+        self.thread.join(TIMEOUT)
+        if self.run is None:
+            raise AssertionError("the chained torture run never started: the run before it did not end")
+        return self.run.result()
+
+    def stop(self) -> None:
+        with self.lock:
+            self.cancelled = True
+            if self.run is not None:
+                self.run.stop()
+
+
+Run = BackgroundRun | ChainedRun
+
+
 def start_mongodb_run(work_dir: Path) -> BackgroundRun:
     """Start seed 905 of ``--source mongodb`` with faults in the background (``MONGODB_SHORT``), on the harness's own
-    MongoDB test server (a free port; the server lives in the run and is stopped with it)."""
+    MongoDB test server (a free port; the server lives in the run and is stopped with it). ``tests/conftest.py``
+    starts it once the broken-reconciliation run has ended when that one runs too (``ChainedRun``): three runs at
+    once would hold nine JVMs beside the suite's own."""
     return start_run(work_dir, "--source", "mongodb", "--seeds", str(MONGODB_SEED), *MONGODB_SHORT)
