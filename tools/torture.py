@@ -659,11 +659,7 @@ class SeedRun:
         shutil.rmtree(self.lake, ignore_errors=True)
         seed_source = self.source.create(self.seed, r, self.options.scale, self.lake, self.options.chunk_size)
         self.seed_source = seed_source
-        from cdc_assets.sources import open_source
-
-        config = self.source.build_config(seed_source.spec)
-        pipeline = open_source(config, config.sources[0])
-        plans = {name: len(pipeline.plan(table).chunks) for name, table in pipeline.prepare().items()}
+        plans = self.plan_chunks(seed_source)
         tasks: queue.Queue[tuple[str, list[int], bool]] = queue.Queue()
         groups: list[tuple[str, list[int], bool]] = []
         for name, count in sorted(plans.items()):
@@ -741,6 +737,24 @@ class SeedRun:
         else:
             self.failure += f" [kept: {seed_source.name}, lake {self.lake}]"
         return SeedResult(self.seed, False, seconds, self.failure)
+
+    def plan_chunks(self, seed_source: SeedSource) -> dict[str, int]:
+        """Every table's chunk count, planned (and stored) once as the first Dagster run would, re-run when it fails
+        (MongoDB's test server fails a ``$sample`` now and then)."""
+        from cdc_assets.sources import open_source
+
+        config = self.source.build_config(seed_source.spec)
+        for attempt in range(1, TASK_ATTEMPTS + 1):
+            try:
+                pipeline = open_source(config, config.sources[0])
+                return {name: len(pipeline.plan(table).chunks) for name, table in pipeline.prepare().items()}
+            except Exception as error:
+                if attempt == TASK_ATTEMPTS:
+                    raise
+                log(f"seed {self.seed}: planning failed: {type(error).__name__}: {str(error)[:300]}")
+                self.errors.append(f"planning: {type(error).__name__}")
+                time.sleep(min(10.0, 0.5 * 2**attempt))
+        raise AssertionError("unreachable")
 
     def check_tally(self, decoded: dict[str, int]) -> list[str]:
         """The oracle against the workload's own count: acknowledged <= decoded <= acknowledged + in doubt."""
