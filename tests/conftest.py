@@ -12,15 +12,26 @@ import pytest
 from tests.integration.mongo_support import REAL_MONGODB_URI_ENV, real_mongodb_uri, start_mongo_test_server
 from tests.integration.support import ABSENT_STANDBY, PG_PORT, PG_SOCKET
 from tests.pipeline_support import FaultPoints, arm_faults
-from tests.tools.torture_support import BackgroundRun, start_broken_run, start_faulted_run
+from tests.tools.torture_support import (
+    BackgroundRun,
+    ChainedRun,
+    Run,
+    start_broken_run,
+    start_faulted_run,
+    start_mongodb_run,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 BROKEN_TORTURE_RUN = pytest.StashKey[BackgroundRun]()
 FAULTED_TORTURE_RUN = pytest.StashKey[BackgroundRun]()
-BACKGROUND_RUNS = {  # fixture -> (stash key, start, work dir)
-    "broken_torture_run": (BROKEN_TORTURE_RUN, start_broken_run, ROOT / ".state" / "torture-broken-run"),
-    "faulted_torture_run": (FAULTED_TORTURE_RUN, start_faulted_run, ROOT / ".state" / "torture-faulted-run"),
-}
+MONGODB_TORTURE_RUN = pytest.StashKey[Run]()
+BACKGROUND_RUNS = {  # fixture -> (stash key, start, work dir, the run it follows when that one was started too)
+    "broken_torture_run": (BROKEN_TORTURE_RUN, start_broken_run, ROOT / ".state" / "torture-broken-run", None),
+    "faulted_torture_run": (FAULTED_TORTURE_RUN, start_faulted_run, ROOT / ".state" / "torture-faulted-run", None),
+    "mongodb_torture_run": (
+        MONGODB_TORTURE_RUN, start_mongodb_run, ROOT / ".state" / "torture-mongodb-run", BROKEN_TORTURE_RUN,
+    ),
+}  # fmt: skip
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
@@ -28,13 +39,17 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     beside the tests collected before them."""
     if session.config.option.collectonly:
         return
-    for fixture, (key, start, work_dir) in BACKGROUND_RUNS.items():
+    for fixture, (key, start, work_dir, after) in BACKGROUND_RUNS.items():
         if any(fixture in getattr(item, "fixturenames", ()) for item in session.items):
-            session.config.stash[key] = start(work_dir)
+            before = session.config.stash.get(after, None) if after is not None else None
+            if before is None:
+                session.config.stash[key] = start(work_dir)
+            else:  # started when ``before`` has ended (``ChainedRun``)
+                session.config.stash[key] = ChainedRun(before, lambda start=start, work_dir=work_dir: start(work_dir))
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
-    for key, _, _ in BACKGROUND_RUNS.values():
+    for key, _, _, _ in reversed(BACKGROUND_RUNS.values()):  # a chained run first: stopped, it starts no more
         run = session.config.stash.get(key, None)
         if run is not None:
             run.stop()
@@ -50,6 +65,12 @@ def broken_torture_run(request: pytest.FixtureRequest) -> BackgroundRun:
 def faulted_torture_run(request: pytest.FixtureRequest) -> BackgroundRun:
     """The background run with faults started at collection."""
     return request.config.stash[FAULTED_TORTURE_RUN]
+
+
+@pytest.fixture(scope="session")
+def mongodb_torture_run(request: pytest.FixtureRequest) -> Run:
+    """The background MongoDB run with faults started at collection (or once the broken-reconciliation run ended)."""
+    return request.config.stash[MONGODB_TORTURE_RUN]
 
 
 @pytest.fixture()

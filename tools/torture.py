@@ -6,7 +6,8 @@ Contract
 --------
 This module is the runner; the source database's side (server, seeded schema, workload, schema events, checks
 against the source's own log) comes from a ``TortureSource`` (``tools/torture_source.py``) of the source's kind:
-``tools/torture_postgres.py`` for ``--source postgres``, the only kind so far. The runner drives the pipeline only
+``tools/torture_postgres.py`` for ``--source postgres``, ``tools/torture_mongodb.py`` for ``--source mongodb``. The
+runner drives the pipeline only
 through ``cdc_assets.source.CdcSource`` (``prepare``, ``plan``, ``snapshot``, ``stream_batch``, ``acknowledge``),
 so it drives any source that ``open_source`` returns.
 
@@ -37,7 +38,8 @@ deterministic, so a seed fixes the workload's recipe, not its exact interleaving
    recorded), the stream run anywhere from its slot read to its slot advance. An **executor loss**: a Spark Python
    worker process of a snapshot worker is SIGKILLed while a chunk read runs (Spark retries the task, which rewrites
    its staged file, or the run fails and is re-run). A **source restart** (``TortureSource.restart``; PostgreSQL:
-   ``scripts/pg.sh restart``) once mid-run (writers reconnect; runs fail and are re-run).
+   ``scripts/pg.sh restart``) once mid-run (writers reconnect; runs fail and are re-run), for a source whose
+   ``restart_fault`` is not None (MongoDB's test server is in memory: a restart would lose everything).
 5. **Checks**, after the workload stopped and the stream caught up (no waiting window, no change, lag 0): the
    source's ``verify`` in the stream worker (every mirror equals its source row by row and column by column, no
    ``_cdc_unknown``, no duplicate and no gap in the changelog against the source's own log: PostgreSQL's
@@ -100,7 +102,7 @@ from tools.torture_source import (  # noqa: E402
     log_to,
 )
 
-SOURCE_KINDS = ("postgres",)
+SOURCE_KINDS = ("postgres", "mongodb")
 SNAPSHOT_POINTS = ("snapshot.before_window_record",)
 STREAM_POINTS = (
     "stream.after_changelog", "stream.after_merge", "stream.after_lake_commit", "stream.after_offset_record",
@@ -122,6 +124,10 @@ def source_kind(kind: str) -> type[TortureSource]:
         from tools.torture_postgres import PostgresTorture
 
         return PostgresTorture
+    if kind == "mongodb":
+        from tools.torture_mongodb import MongoTorture
+
+        return MongoTorture
     raise ValueError(f"source kind {kind!r} has no torture side; allowed: {', '.join(SOURCE_KINDS)}")
 
 
@@ -158,7 +164,8 @@ def apply_patches() -> list[str]:
 def worker_main(role: str, kind: str, result_fd: int, broken: bool, patched: bool) -> int:
     """A long-lived worker: each task is one Dagster-like run with a fresh pipeline (``prepare()``)."""
     import cdc_assets.lake.maintenance as maintenance_module
-    import cdc_assets.sources.postgres.pipeline as pipeline_module
+    import cdc_assets.lake.watermark_window as window_module
+    import cdc_assets.pipeline as pipeline_module
     from cdc_assets.engine import faults
     from cdc_assets.lake.spark import DERBY_OPTION, spark_session
     from cdc_assets.sources import open_source
@@ -170,8 +177,9 @@ def worker_main(role: str, kind: str, result_fd: int, broken: bool, patched: boo
         _emit(channel, {"point": name})
         original(name)
 
-    pipeline_module.fault_point = traced  # type: ignore[attr-defined]
-    maintenance_module.fault_point = traced  # type: ignore[attr-defined]
+    # every module that calls a fault point (each imported the function by name)
+    for module in (pipeline_module, window_module, maintenance_module):
+        module.fault_point = traced  # type: ignore[attr-defined]
     patches = apply_patches() if patched else []
     torture = source_kind(kind)
     if broken and role == "stream":
@@ -586,7 +594,8 @@ class SeedRun:
         events = seed_source.schema_events(r)
         kills = random.Random(f"{self.seed}:kills")  # its own stream: the other events keep their seeded times
         if self.options.faults:
-            events.append((r.uniform(0.45, 0.65), "restart"))
+            if self.source.restart_fault is not None:  # a source that can restart without losing its data
+                events.append((r.uniform(0.45, 0.65), "restart"))
             events += [(r.uniform(0.05, 0.9), "executor") for _ in range(3)]
             events += [(kills.uniform(0.05, 0.9), kind) for kind, count in RUN_KILLS.items() for _ in range(count)]
         events.sort()
@@ -599,7 +608,7 @@ class SeedRun:
                 log(f"seed {self.seed} event {event}")
                 if event == "restart":
                     self.source.restart()
-                    self.note_fault(self.source.restart_fault)
+                    self.note_fault(str(self.source.restart_fault))
                 elif event == "executor":
                     self.lose_executor(r)
                 elif event in RUN_KILLS:
@@ -650,11 +659,7 @@ class SeedRun:
         shutil.rmtree(self.lake, ignore_errors=True)
         seed_source = self.source.create(self.seed, r, self.options.scale, self.lake, self.options.chunk_size)
         self.seed_source = seed_source
-        from cdc_assets.sources import open_source
-
-        config = self.source.build_config(seed_source.spec)
-        pipeline = open_source(config, config.sources[0])
-        plans = {name: len(pipeline.plan(table).chunks) for name, table in pipeline.prepare().items()}
+        plans = self.plan_chunks(seed_source)
         tasks: queue.Queue[tuple[str, list[int], bool]] = queue.Queue()
         groups: list[tuple[str, list[int], bool]] = []
         for name, count in sorted(plans.items()):
@@ -733,6 +738,24 @@ class SeedRun:
             self.failure += f" [kept: {seed_source.name}, lake {self.lake}]"
         return SeedResult(self.seed, False, seconds, self.failure)
 
+    def plan_chunks(self, seed_source: SeedSource) -> dict[str, int]:
+        """Every table's chunk count, planned (and stored) once as the first Dagster run would, re-run when it fails
+        (MongoDB's test server fails a ``$sample`` now and then)."""
+        from cdc_assets.sources import open_source
+
+        config = self.source.build_config(seed_source.spec)
+        for attempt in range(1, TASK_ATTEMPTS + 1):
+            try:
+                pipeline = open_source(config, config.sources[0])
+                return {name: len(pipeline.plan(table).chunks) for name, table in pipeline.prepare().items()}
+            except Exception as error:
+                if attempt == TASK_ATTEMPTS:
+                    raise
+                log(f"seed {self.seed}: planning failed: {type(error).__name__}: {str(error)[:300]}")
+                self.errors.append(f"planning: {type(error).__name__}")
+                time.sleep(min(10.0, 0.5 * 2**attempt))
+        raise AssertionError("unreachable")
+
     def check_tally(self, decoded: dict[str, int]) -> list[str]:
         """The oracle against the workload's own count: acknowledged <= decoded <= acknowledged + in doubt."""
         failures = []
@@ -742,7 +765,7 @@ class SeedRun:
             low, doubt = tally.committed[short], tally.in_doubt[short]
             if not low <= count <= low + doubt:
                 failures.append(
-                    f"table {name}: test_decoding reports {count} changes; the workload committed {low} "
+                    f"table {name}: the source's own log reports {count} changes; the workload committed {low} "
                     f"(+{doubt} in doubt)"
                 )
         return failures

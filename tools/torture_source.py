@@ -5,14 +5,15 @@ Contract
 The runner (``tools/torture.py``: worker processes, fault points, executor losses, re-runs, offset recording,
 catch-up, the summary) drives the pipeline only through ``cdc_assets.source.CdcSource``. Everything that touches
 the source database itself comes from a ``TortureSource`` of the source's kind (``tools/torture_postgres.py`` for
-PostgreSQL; a MongoDB one would run a replica set, its workload through pymongo, and compare the changelog with the
-oplog):
+PostgreSQL; ``tools/torture_mongodb.py`` for MongoDB: its own test server, the workload through pymongo, the changelog
+compared with the oplog):
 
 - in the harness process, ``TortureSource`` is the server (``start``, ``stop``, ``running``, and ``restart``: the
-  source-restart fault), and ``create(seed, r, scale, lake, chunk_size)`` makes one seed's database and returns its
-  ``SeedSource``: the JSON ``spec`` the workers build the pipeline's configuration from, the workload threads, the
-  schema events (changes of a table's shape, at fractions of the workload's duration, in the order ``r`` drew
-  them), the arguments of its verification, and ``drop``;
+  source-restart fault, scheduled only when ``restart_fault`` is not None), and ``create(seed, r, scale, lake,
+  chunk_size)`` makes one seed's database and returns its ``SeedSource``: the JSON ``spec`` the workers build the
+  pipeline's configuration from, the workload threads, the schema events (changes of a table's shape, or for MongoDB
+  bulk commands, at fractions of the workload's duration, in the order ``r`` drew them), the arguments of its
+  verification, and ``drop``;
 - in a worker process (a Spark driver), the kind's static methods: ``build_config(spec)``, ``offset_position`` (the
   ordered integer that ``CdcSource.acknowledge`` takes, from a stream batch's offset), ``verify(spark, spec, args)``
   (every mirror against its source row by row, the changelog against duplicates and against the source's own log;
@@ -99,7 +100,9 @@ class TortureSource(Protocol):
     """One source server under torture, and its kind's worker-side operations."""
 
     kind: str
-    restart_fault: str  # the fault's name in a seed's summary line
+    # the source-restart fault's name in a seed's summary line; None: the server cannot restart without losing its
+    # data (the MongoDB test server is in memory), so the runner schedules no restart
+    restart_fault: str | None
 
     @staticmethod
     def add_arguments(group: argparse._ArgumentGroup) -> None:

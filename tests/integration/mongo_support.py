@@ -4,11 +4,12 @@ environment.
 
 Contract:
 
-- ``start_mongo_test_server(log_dir)`` runs ``java -cp <jars>/* cdclake.MongoTestServer 127.0.0.1 0`` (the launcher
-  ``scripts/setup.sh`` builds into ``.jars/mongo-test-server/``, or ``$CDC_JARS_DIR/mongo-test-server/``), reads the
-  bound port from its ``listening HOST:PORT`` line, waits until it answers ``ping`` and returns a
-  ``MongoTestServer``; the server's stderr goes to a log file in ``log_dir``. A missing ``java`` or jar, a server that
-  exits or does not answer: ``MongoTestServerError`` (the tests fail; they never skip for it).
+- ``start_mongo_test_server(log_dir, port=0)`` runs ``java -cp <jars>/* cdclake.MongoTestServer 127.0.0.1 PORT``
+  (the launcher ``scripts/setup.sh`` builds into ``.jars/mongo-test-server/``, or
+  ``$CDC_JARS_DIR/mongo-test-server/``; port 0: a free one), reads the bound port from its ``listening HOST:PORT``
+  line, waits until it answers ``ping`` and returns a ``MongoTestServer``; the server's stderr goes to a log file in
+  ``log_dir``. A missing ``java`` or jar, a server that exits or does not answer: ``MongoTestServerError`` (the tests
+  fail; they never skip for it).
 - ``MongoTestServer.stop()`` sends SIGTERM (the launcher's shutdown hook closes the server) and waits; idempotent;
   the log stays only when the server ended otherwise.
 - ``real_mongodb_uri()`` is ``$CDC_TEST_MONGODB_URI`` (a real replica set, or ``mongos``), or None when unset.
@@ -76,8 +77,9 @@ class MongoTestServer:
             self.log_path.unlink(missing_ok=True)
 
 
-def start_mongo_test_server(log_dir: Path, timeout: float = 60.0) -> MongoTestServer:
-    """Start the launcher on a free loopback port and wait until it answers ``ping`` (see the module docstring)."""
+def start_mongo_test_server(log_dir: Path, timeout: float = 60.0, port: int = 0) -> MongoTestServer:
+    """Start the launcher on loopback ``port`` (0: a free one) and wait until it answers ``ping`` (see the module
+    docstring)."""
     java = shutil.which("java")
     if java is None:
         raise MongoTestServerError("no `java` on PATH: the MongoDB test server needs Java 17 (scripts/setup.sh)")
@@ -90,7 +92,7 @@ def start_mongo_test_server(log_dir: Path, timeout: float = 60.0) -> MongoTestSe
     log_path = log_dir / f"server-{os.getpid()}-{time.time_ns()}.log"
     with log_path.open("w") as log:
         process = subprocess.Popen(
-            [java, "-cp", f"{jars}/*", LAUNCHER_CLASS, "127.0.0.1", "0"],
+            [java, "-cp", f"{jars}/*", LAUNCHER_CLASS, "127.0.0.1", str(port)],
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=log,

@@ -8,7 +8,10 @@
   than changes already applied (or resurrects deleted ones, or deletes inserted ones), which the row comparison
   reports.
 
-Seeds 901 and 903 keep these databases apart from manual runs (``torture_<seed>``). The two runs are independent:
+- with ``--source mongodb`` and faults (no source restart), a seed passes (seed 905, on the harness's own MongoDB
+  test server).
+
+Seeds 901, 903 and 905 keep these databases apart from manual runs (``torture_<seed>``). The two runs are independent:
 both start in the background as soon as collection selected their tests (``tests/conftest.py``, see
 ``torture_support``), each on its own cluster (ports 54340 and 54341: the faulted run's source restart must not
 touch the other run). Each run takes three to nine minutes on a 2-core machine; the long form (``--seeds 1-100``)
@@ -22,7 +25,7 @@ import re
 
 import pytest
 
-from tests.tools.torture_support import BackgroundRun
+from tests.tools.torture_support import BackgroundRun, Run
 
 
 @pytest.mark.timeout(2800)
@@ -49,3 +52,19 @@ def test_broken_reconciliation_is_caught(broken_torture_run: BackgroundRun) -> N
     assert returncode == 1, f"rc={returncode}\n{tail}"
     assert re.search(r"^seed 903: FAIL (table|changelog) public\.\w+", output, re.M), tail
     assert "0 passed, 1 failed" in output
+
+
+@pytest.mark.timeout(2800)
+def test_mongodb_short_form_with_faults_passes(mongodb_torture_run: Run) -> None:
+    """``--source mongodb``: seed 905 with faults (no source restart: the test server is in memory) passes; its
+    collections held a document of at least 1 MB at the end, and the mirror equals it."""
+    returncode, output, tail = mongodb_torture_run.result()
+    assert returncode == 0, f"rc={returncode}\n{tail}"
+    line = re.search(r"^seed 905: PASS .*$", output, re.M)
+    assert line is not None, output
+    assert "1 passed, 0 failed" in output
+    assert int(re.search(r" faults=(\d+)", line.group(0)).group(1)) >= 1, line.group(0)  # type: ignore[union-attr]
+    assert "restart" not in line.group(0), line.group(0)
+    assert int(re.search(r" changes=(\d+)", line.group(0)).group(1)) > 200, line.group(0)  # type: ignore[union-attr]
+    largest = int(re.search(r" largest_value=(\d+)", line.group(0)).group(1))  # type: ignore[union-attr]
+    assert largest >= 1_000_000, line.group(0)

@@ -21,40 +21,62 @@ from tests.tools.torture_support import ROOT
 from tools.torture_source import SeedSource, Tally, TortureSource, compare_rows
 
 
-def test_runner_loads_no_source_module_until_a_kind_is_asked_for() -> None:
+@pytest.mark.parametrize(
+    ("kind", "modules"),
+    [("postgres", "['psycopg', 'tools.torture_postgres']"), ("mongodb", "['pymongo', 'tools.torture_mongodb']")],
+)
+def test_runner_loads_no_source_module_until_a_kind_is_asked_for(kind: str, modules: str) -> None:
     probe = (
         "import sys; sys.path.insert(0, sys.argv[1]); import tools.torture as t; "
-        "loaded = lambda: sorted(m for m in ('psycopg', 'pyspark', 'tools.torture_postgres') if m in sys.modules); "
-        "print(loaded()); t.source_kind('postgres'); print(loaded())"
+        "names = ('psycopg', 'pymongo', 'pyspark', 'tools.torture_postgres', 'tools.torture_mongodb'); "
+        "loaded = lambda: sorted(m for m in names if m in sys.modules); "
+        "print(loaded()); t.source_kind(sys.argv[2]); print(loaded())"
     )
-    result = subprocess.run([sys.executable, "-c", probe, str(ROOT)], capture_output=True, text=True, check=True)
+    result = subprocess.run(
+        [sys.executable, "-c", probe, str(ROOT), kind], capture_output=True, text=True, check=True
+    )  # fmt: skip
     before, after = result.stdout.splitlines()
     assert before == "[]"
-    assert after == "['psycopg', 'tools.torture_postgres']"
+    assert after == modules  # the other kind's driver stays unloaded
 
 
 def test_unknown_source_kind_is_refused_by_name() -> None:
     from tools.torture import source_kind
 
-    with pytest.raises(ValueError, match=r"source kind 'mongodb' has no torture side; allowed: postgres"):
-        source_kind("mongodb")
+    with pytest.raises(ValueError, match=r"source kind 'oracle' has no torture side; allowed: postgres, mongodb"):
+        source_kind("oracle")
 
 
 def _operations(protocol: type) -> set[str]:
     return {n for n in dir(protocol) if not n.startswith("_")} | set(getattr(protocol, "__annotations__", {}))
 
 
-def test_postgres_side_provides_the_whole_interface() -> None:
-    from tools.torture_postgres import PostgresSeed, PostgresTorture
-
-    for implementation, protocol in ((PostgresTorture, TortureSource), (PostgresSeed, SeedSource)):
+def _provides_the_whole_interface(torture: type, seed: type) -> None:
+    for implementation, protocol in ((torture, TortureSource), (seed, SeedSource)):
         missing = {n for n in _operations(protocol) if not hasattr(implementation, n)}
         missing -= set(getattr(implementation, "__dataclass_fields__", {}))  # instance fields
         assert not missing, f"{implementation.__name__} lacks {sorted(missing)}"
     for name in ("add_arguments", "build_config", "offset_position", "verify", "break_settled_rule"):  # on the class
-        assert isinstance(inspect.getattr_static(PostgresTorture, name), staticmethod), name
-    assert isinstance(inspect.getattr_static(PostgresTorture, "from_args"), classmethod)
+        assert isinstance(inspect.getattr_static(torture, name), staticmethod), name
+    assert isinstance(inspect.getattr_static(torture, "from_args"), classmethod)
+
+
+def test_postgres_side_provides_the_whole_interface() -> None:
+    from tools.torture_postgres import PostgresSeed, PostgresTorture
+
+    _provides_the_whole_interface(PostgresTorture, PostgresSeed)
     assert PostgresTorture.offset_position({"lsn": "0/16B3748"}) == 0x16B3748
+    assert PostgresTorture.restart_fault == "pg-restart"
+
+
+def test_mongodb_side_provides_the_whole_interface() -> None:
+    """The MongoDB side too; its position is the cluster time's (sec << 32) | ord, and it has no restart fault (the
+    test server is in memory: a restart would lose every collection)."""
+    from tools.torture_mongodb import MongoSeed, MongoTorture
+
+    _provides_the_whole_interface(MongoTorture, MongoSeed)
+    assert MongoTorture.offset_position({"sec": 1795735389, "ord": 501}) == (1795735389 << 32) | 501
+    assert MongoTorture.restart_fault is None
 
 
 def test_the_source_kind_brings_its_own_options(tmp_path) -> None:
@@ -68,6 +90,13 @@ def test_the_source_kind_brings_its_own_options(tmp_path) -> None:
     assert parse_args(["--seeds", "3"]).pg_port == 54339
     runner_source = (ROOT / "tools" / "torture.py").read_text()
     assert "--pg-" not in runner_source and "pg_port" not in runner_source
+    args = parse_args(["--source", "mongodb", "--mongo-port", "54398", "--work-dir", str(tmp_path / "w")])
+    server = source_kind(args.source).from_args(args)
+    assert (server.port, server.state) == (54398, tmp_path / "w" / "mongo-server")
+    assert parse_args(["--source", "mongodb"]).mongo_port == 0  # a free port: never the demo's or the suite's
+    assert "--mongo-" not in runner_source and "mongo_port" not in runner_source
+    with pytest.raises(SystemExit):
+        parse_args(["--mongo-port", "1"])  # a PostgreSQL run has no MongoDB options
 
 
 def test_compare_rows_names_the_first_differing_key_and_columns() -> None:

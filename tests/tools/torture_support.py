@@ -1,8 +1,9 @@
 """The torture harness's short form as the test suite runs it (``tools/torture.py``, issue #3).
 
-Both runs, the faulted one (seed 901, port 54340) and the broken-reconciliation one (seed 903, port 54341), are
+The PostgreSQL runs, the faulted one (seed 901, port 54340) and the broken-reconciliation one (seed 903, port
+54341), and the MongoDB one (seed 905 with faults, ``--source mongodb``, its own test server on a free port) are
 started by ``tests/conftest.py`` as soon as collection selected their tests, in the background, each on its own
-cluster: each is mostly one Spark driver's planning and compiling, and the integration tests before them leave
+server: each is mostly one Spark driver's planning and compiling, and the integration tests before them leave
 much of the two cores idle (they wait on the database, on batches, on JVM starts), so they run beside them instead
 of after them (the faulted run alone took 5 to 9 minutes after the other tests). They run niced (``NICENESS``): at
 full priority they slowed the tests beside them up to fourfold (the drift test of ``test_consistency.py``: 115 s
@@ -15,6 +16,8 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,9 +27,14 @@ TIMEOUT = 2700
 NICENESS = 5  # the background runs yield to the suite's tests (CFS weight 335 against 1024)
 BROKEN_SEED = 903
 FAULTED_SEED = 901
+MONGODB_SEED = 905
+# the MongoDB short form is smaller still (the suite's time budget): fewer documents, one snapshot worker, a shorter
+# workload (it lasts at least until every chunk was read once)
+MONGODB_SHORT = ["--duration", "10", "--scale", "0.2", "--rate", "8", "--chunk-size", "100", "--snapshot-workers", "1"]
 
 
 def torture_command(work_dir: Path, *args: str) -> list[str]:
+    """The short form with ``args``; later options win, so ``args`` may override the short form's."""
     return [sys.executable, str(ROOT / "tools" / "torture.py"), *SHORT, "--work-dir", str(work_dir), *args]
 
 
@@ -90,3 +98,44 @@ def start_broken_run(work_dir: Path) -> BackgroundRun:
         work_dir, "--seeds", str(BROKEN_SEED), "--no-faults", "--broken-reconciliation", "--snapshot-workers", "1",
         "--pg-port", "54341", "--pg-state", str(ROOT / ".state" / "torture-pg-broken"),
     )  # fmt: skip
+
+
+class ChainedRun:
+    """A background run started only once another one (``before``) has ended, so that no more than two harness runs
+    (each with its Spark drivers) run beside the suite's tests at a time. Same interface as ``BackgroundRun``."""
+
+    def __init__(self, before: BackgroundRun, start: Callable[[], BackgroundRun]) -> None:
+        self.lock = threading.Lock()
+        self.cancelled = False
+        self.run: BackgroundRun | None = None
+        self.thread = threading.Thread(target=self._chain, args=(before, start), daemon=True)
+        self.thread.start()
+
+    def _chain(self, before: BackgroundRun, start: Callable[[], BackgroundRun]) -> None:
+        before.process.wait()
+        with self.lock:
+            if not self.cancelled:
+                self.run = start()
+
+    def result(self) -> tuple[int, str, str]:
+        self.thread.join(TIMEOUT)
+        if self.run is None:
+            raise AssertionError("the chained torture run never started: the run before it did not end")
+        return self.run.result()
+
+    def stop(self) -> None:
+        with self.lock:
+            self.cancelled = True
+            if self.run is not None:
+                self.run.stop()
+
+
+Run = BackgroundRun | ChainedRun
+
+
+def start_mongodb_run(work_dir: Path) -> BackgroundRun:
+    """Start seed 905 of ``--source mongodb`` with faults in the background (``MONGODB_SHORT``), on the harness's own
+    MongoDB test server (a free port; the server lives in the run and is stopped with it). ``tests/conftest.py``
+    starts it once the broken-reconciliation run has ended when that one runs too (``ChainedRun``): three runs at
+    once would hold nine JVMs beside the suite's own."""
+    return start_run(work_dir, "--source", "mongodb", "--seeds", str(MONGODB_SEED), *MONGODB_SHORT)
