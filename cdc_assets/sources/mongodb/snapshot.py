@@ -47,6 +47,7 @@ BATCH_ROWS = 1000
 BATCH_BYTES = 32 << 20
 SAFE_BATCH = 2
 SAMPLES_PER_CHUNK = 20
+SAMPLE_ATTEMPTS = 5
 
 
 def plan_chunks(client: pymongo.MongoClient, table: CapturedCollection, chunk_size: int) -> ChunkPlan:
@@ -57,8 +58,7 @@ def plan_chunks(client: pymongo.MongoClient, table: CapturedCollection, chunk_si
     ids = _split_vector(client, table, chunk_size)
     if ids is None:
         chunks = math.ceil(count / chunk_size)
-        pipeline = [{"$sample": {"size": chunks * SAMPLES_PER_CHUNK}}, {"$project": {"_id": 1}}]
-        sample = list(collection.aggregate(pipeline))
+        sample = _sample_ids(collection, chunks * SAMPLES_PER_CHUNK)
         keys = sorted({sort_key(d["_id"]) for d in sample})
         step = max(1, len(keys) // chunks)
         ids_keys = keys[step::step][: chunks - 1]
@@ -66,6 +66,20 @@ def plan_chunks(client: pymongo.MongoClient, table: CapturedCollection, chunk_si
         ids_keys = sorted({sort_key(i) for i in ids})
     boundaries = [(k.hex(),) for k in ids_keys]
     return ChunkPlan(table.qualified_name, table.key_columns, chunks_from_boundaries(boundaries))
+
+
+def _sample_ids(collection: pymongo.collection.Collection, size: int) -> list[dict[str, Any]]:
+    """``$sample`` of ``size`` ids. The test server's ``$sample`` fails now and then (about one call in twelve:
+    "Comparison method violates its general contract!", its random order handed to a sort): tried up to
+    ``SAMPLE_ATTEMPTS`` times."""
+    pipeline = [{"$sample": {"size": size}}, {"$project": {"_id": 1}}]
+    for attempt in range(SAMPLE_ATTEMPTS):
+        try:
+            return list(collection.aggregate(pipeline))
+        except OperationFailure as error:
+            if "general contract" not in str(error) or attempt == SAMPLE_ATTEMPTS - 1:
+                raise
+    raise AssertionError("unreachable")
 
 
 def _split_vector(client: pymongo.MongoClient, table: CapturedCollection, chunk_size: int) -> list[Any] | None:
