@@ -323,6 +323,12 @@ def build_stream_asset(source: SourceConfig, table_names: list[str]) -> AssetsDe
             context.log.info(batch_log_line(report))
             if report.resnapshot:
                 context.log.warning(report.resnapshot)
+            if report.newly_captured:
+                context.log.warning(
+                    f"source {source.name!r} captures {', '.join(report.newly_captured)} from this batch on (created "
+                    "or selected while the run was in flight): their changes are applied from now on; reload the code "
+                    "location to add their assets, and the planner then requests their snapshots"
+                )
             for item in report.reconciled:
                 yield AssetObservation(
                     asset_key=table_asset_key(source.name, item["table"]),

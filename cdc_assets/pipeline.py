@@ -3,7 +3,11 @@
 Contract (Dagster calls these from assets and sensors; tests call them directly). The source kind answers only what
 differs (``cdc_assets.dialect.SourceDialect``); everything below is the same for every kind.
 - ``prepare()`` asks the dialect to discover the captured tables (the change-capture resources exist afterwards, so
-  no change is ever missed). ``tables`` is its result, resolved once per object.
+  no change is ever missed). ``tables`` is its result, resolved once per object, and again when a batch's dialect
+  raises ``CapturedTablesChanged`` (it met a table the source captures now that ``tables`` lacks: created or newly
+  selected while a long-lived run was in flight): nothing of that read is kept, the tables are resolved again and
+  the batch is read again (up to ``RESOLVE_AGAIN_LIMIT`` times), and ``StreamReport.newly_captured`` names them.
+  Otherwise the offset would move past the new table's changes.
 - ``plan(table)`` returns the stored chunk plan, planning and storing it on first use (immutable afterwards); a
   stored plan over other key columns than the table's now raises ``SourceError`` naming both and the fix.
 - ``snapshot(spark, table, chunk_indexes, run_id)`` runs one watermark window around reading the chunks
@@ -59,7 +63,7 @@ from pyspark.sql import functions as F
 
 from cdc_assets.config import CdcConfig, SourceConfig
 from cdc_assets.consistency import check_chunks
-from cdc_assets.dialect import Offset, SourceDialect
+from cdc_assets.dialect import ChangeBatch, Offset, SourceDialect
 from cdc_assets.engine.batch_bounds import BatchBounds, after_failure, after_success, recover_in_flight, with_in_flight
 from cdc_assets.engine.chunks import Chunk, ChunkPlan
 from cdc_assets.engine.faults import fault_point, size_fault
@@ -80,7 +84,9 @@ from cdc_assets.lake.mirror import StagedRowsMismatch, append_changelog, apply_c
 from cdc_assets.lake.spark import DRIVER_MEMORY, big_batch_conf, default_driver_memory, session_conf
 from cdc_assets.lake.watermark_window import run_window
 from cdc_assets.source import (
+    CapturedTablesChanged,
     ChunkCheck,
+    PermanentBatchError,
     SkippedTableLike,
     SnapshotReport,
     SourceError,
@@ -90,6 +96,9 @@ from cdc_assets.source import (
 )
 
 USER_METADATA = "spark.databricks.delta.commitInfo.userMetadata"
+# how often one batch resolves the captured tables again before it gives up (each time the dialect met a table the
+# source captures now; more than a few in a row means tables are created faster than a batch is read)
+RESOLVE_AGAIN_LIMIT = 5
 BOUNDS_FILE = "stream_bounds.json"
 
 
@@ -258,7 +267,7 @@ class CdcPipeline(Generic[TableT]):
                 raise
             if isinstance(error, SourceError):
                 raise  # the source refused or is unreachable: its message names the setting; nothing was written
-            if isinstance(error, StagedRowsMismatch) or self.dialect.is_permanent(error):
+            if isinstance(error, StagedRowsMismatch | PermanentBatchError) or self.dialect.is_permanent(error):
                 self.store_bounds(bounds)  # no longer in flight, bounds unchanged: a smaller batch fails the same way
                 raise  # its own message names the table and the fix
             cause = failure_cause(error)
@@ -313,15 +322,9 @@ class CdcPipeline(Generic[TableT]):
         self, spark: SparkSession, recorded: Offset | None, batch_id: str, spill_dir: Path, bounds: BatchBounds,
         progress: BatchProgress, started: float,
     ) -> StreamReport:  # fmt: skip
-        tables = self.tables
         settings = self.source.stream
-        if self.streams_only_for_windows:
-            until = max([*self.lake.waiting_markers().values(), *self.lake.check_markers()], default=0)
-            batch = self.dialect.read_batch(
-                recorded, tables, spill_dir, bounds.max_changes, bounds.max_bytes, until=until,  # type: ignore[call-arg]
-            )  # fmt: skip
-        else:
-            batch = self.dialect.read_batch(recorded, tables, spill_dir, bounds.max_changes, bounds.max_bytes)
+        batch, newly_captured = self._read_batch(recorded, spill_dir, bounds)
+        tables = self.tables
         if batch.resnapshot is not None:  # recorded before the offset is: a kill in between records it again
             for name in tables:
                 self.lake.mark_resnapshot(name, batch.applied, batch.resnapshot)
@@ -396,6 +399,38 @@ class CdcPipeline(Generic[TableT]):
             skipped_tables={t.qualified_name: f"{t.reason}; fix: {t.fix}" for t in self.skipped_tables},
             bytes=batch.bytes,
             resnapshot=batch.resnapshot,
+            newly_captured=newly_captured,
+        )
+
+    def _read_batch(
+        self, recorded: Offset | None, spill_dir: Path, bounds: BatchBounds
+    ) -> tuple[ChangeBatch, list[str]]:
+        """The dialect's batch, read with the tables resolved again as often as it meets a table the source captures
+        now that the run did not (``CapturedTablesChanged``: nothing of the attempt is kept); the names of those."""
+        newly_captured: list[str] = []
+        for _ in range(RESOLVE_AGAIN_LIMIT):
+            until = None
+            if self.streams_only_for_windows:
+                until = max([*self.lake.waiting_markers().values(), *self.lake.check_markers()], default=0)
+            arguments = (recorded, self.tables, spill_dir, bounds.max_changes, bounds.max_bytes)
+            try:
+                if until is None:
+                    return self.dialect.read_batch(*arguments), newly_captured
+                return self.dialect.read_batch(*arguments, until=until), newly_captured  # type: ignore[call-arg]
+            except CapturedTablesChanged as changed:
+                shutil.rmtree(spill_dir, ignore_errors=True)
+                before = set(self.tables)
+                self.prepare()
+                newly_captured += sorted(set(self.tables) - before)
+                if not set(changed.names) <= set(self.tables):
+                    raise PermanentBatchError(
+                        f"source {self.source.name!r}: the stream met changes of {', '.join(changed.names)}, which "
+                        "the source would capture now, but resolving the tables again did not capture them "
+                        f"(captured: {', '.join(sorted(self.tables)) or 'none'}); nothing of the batch was applied"
+                    ) from changed
+        raise PermanentBatchError(
+            f"source {self.source.name!r}: the captured tables changed {RESOLVE_AGAIN_LIMIT} times while one stream "
+            "batch was read; nothing of the batch was applied, the next run tries again"
         )
 
     @property

@@ -92,6 +92,17 @@ class PermanentBatchError(RuntimeError):
     with the bounds unchanged; the message names the table and the fix."""
 
 
+class CapturedTablesChanged(Exception):
+    """A stream batch met a table its run does not capture but that the source would capture now (created, or newly
+    readable or selected, while the run was in flight): the dialect read nothing of the batch into the lake and the
+    offset stays. The pipeline resolves the tables again and reads the batch again, so the new table's changes are
+    applied instead of left behind (the offset would move past them)."""
+
+    def __init__(self, names: Sequence[str]) -> None:
+        super().__init__(f"newly captured: {', '.join(names)}")
+        self.names = list(names)
+
+
 @dataclass
 class SnapshotReport:
     """One snapshot run: the attempt id, rows staged per chunk, and its window (low watermark as text, high
@@ -128,6 +139,8 @@ class StreamReport:
     bytes: int = 0
     bounds: dict[str, object] = field(default_factory=dict)
     resnapshot: str | None = None
+    # tables the run captured from this batch on (created or selected while it was in flight)
+    newly_captured: list[str] = field(default_factory=list)
 
 
 @dataclass

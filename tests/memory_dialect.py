@@ -43,7 +43,7 @@ from cdc_assets.engine.windows import FILL_CHUNK
 from cdc_assets.lake import staging
 from cdc_assets.lake.digest import mirror_digest, mirror_part, text_digest, text_part
 from cdc_assets.lake.schema import UNREPRESENTABLE_COLUMN, UNREPRESENTABLE_TYPE, spark_fields
-from cdc_assets.source import SourceLag
+from cdc_assets.source import CapturedTablesChanged, SourceLag
 
 Key = tuple[Any, ...]
 Row = dict[str, Any]
@@ -91,6 +91,12 @@ class MemoryDatabase:
     def __post_init__(self) -> None:
         for name in self.tables:
             self.rows.setdefault(name, {})
+
+    def create_table(self, table: MemoryTable) -> None:
+        """A table created while the source is captured (``discover`` lists it from now on)."""
+        with self.lock:
+            self.tables[table.qualified_name] = table
+            self.rows.setdefault(table.qualified_name, {})
 
     def commit(self, *writes: tuple[str, str, Key | None, Row | None]) -> int:
         """One transaction of ``(table, op, key, row)`` writes: ``insert`` (row), ``update`` (key, row: the row's own
@@ -297,6 +303,11 @@ class MemoryDialect:
         cut = len(taken) < len(waiting)
         applied = taken[-1].position if cut else head
         per_table: dict[str, list[dict[str, Any]]] = {}
+        with database.lock:
+            existing = set(database.tables)
+        newly_captured = sorted({c.table for t in taken for c in t.changes if c.table not in tables} & existing)
+        if newly_captured:  # created since the run resolved its tables: they are captured now
+            raise CapturedTablesChanged(newly_captured)
         for transaction in taken:
             for seq, change in enumerate(transaction.changes):
                 per_table.setdefault(change.table, []).append(

@@ -249,6 +249,28 @@ def test_a_broken_settled_rule_is_caught(spark, tmp_path: Path, monkeypatch: pyt
         assert_exact(spark, pipeline, database)
 
 
+def test_a_table_created_while_a_run_is_in_flight_is_captured_by_the_batch_that_meets_it(spark, tmp_path: Path) -> None:
+    """The generic half of ``CapturedTablesChanged``: the reference dialect meets changes of a table created after the
+    pipeline resolved its tables; the pipeline resolves them again, the same batch applies them, and the report
+    names the table. A snapshot of it by another pipeline and changes after the snapshot end exact."""
+    database = seeded_database()
+    config, source = config_for(tmp_path / "lake", max_changes=1000)
+    pipeline = CdcPipeline(config, source, MemoryDialect(database, chunk_size=1000))
+    assert sorted(pipeline.prepare()) == ["app.notes", "public.items"]
+    stream = Stream(pipeline, spark)
+    stream.catch_up()
+    tags = MemoryTable("app.tags", ("tag",), pa.schema([("tag", pa.string()), ("uses", pa.int64())]))
+    database.create_table(tags)
+    database.commit(*[("app.tags", "insert", None, {"tag": f"t{i}", "uses": i}) for i in range(10)])
+    snapshotting = CdcPipeline(config, source, MemoryDialect(database, chunk_size=1000))
+    snapshotting.snapshot(spark, snapshotting.prepare()["app.tags"], [0], "tags")
+    database.commit(("app.tags", "update", ("t1",), {"tag": "t1", "uses": 100}), ("app.tags", "delete", ("t2",), None))
+    report = stream.batch()
+    assert report is not None and report.newly_captured == ["app.tags"] and report.changes == 12
+    stream.catch_up()
+    assert mirror_rows(spark, pipeline, tags) == database.snapshot("app.tags")
+
+
 def test_the_reference_dialect_is_what_the_pipeline_asks_for() -> None:
     """Every operation of the dialect interface exists on the in-memory dialect (no PostgreSQL anywhere)."""
     from cdc_assets.dialect import SourceDialect

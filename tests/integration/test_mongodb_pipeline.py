@@ -793,3 +793,51 @@ def test_history_lost_stops_or_reads_every_chunk_again(
     spark, mongo_server: str, database_name: str, tmp_path: Path
 ) -> None:
     run_history_lost_scenario(spark, mongo_server, database_name, tmp_path)
+
+
+def test_a_collection_created_while_a_stream_run_is_in_flight_loses_no_change(
+    spark, mongo_server: str, database_name: str, tmp_path: Path
+) -> None:
+    """A run resolves its collections when it starts, and opens a change stream per captured collection. A collection
+    created later and matching the include pattern: another process (the snapshot run) captures it and reads its
+    chunk, then documents change, and the run in flight streams on. Its batch lists the collections after reading,
+    resolves them again and reads the batch again with the new collection's stream (before, those events were left
+    behind and the next run started after them: the mirror kept the snapshot's documents)."""
+    lake = tmp_path / "lake"
+    with pymongo.MongoClient(mongo_server) as client:
+        database = client[database_name]
+        database["first"].insert_many([{"_id": i, "v": i} for i in range(20)])
+        config, source = source_config(mongo_server, lake, database_name, chunk_size=1000)
+
+        def pipeline() -> CdcPipeline:
+            return CdcPipeline(config, source, MongoDialect(source, lake / "docs" / "_cdc"))
+
+        in_flight = pipeline()
+        first = in_flight.prepare()[f"{database_name}.first"]
+        in_flight.snapshot(spark, first, [0], "first")
+        report = in_flight.stream_batch(spark, None, "b0")
+        in_flight.acknowledge(report.offset)
+        fresh = database["fresh"]
+        fresh.insert_many([{"_id": f"f{i}", "v": i} for i in range(30)])
+        snapshotting = pipeline()
+        snapshotting.snapshot(spark, snapshotting.prepare()[f"{database_name}.fresh"], [0], "fresh")
+        fresh.update_many({"v": {"$lt": 10}}, {"$set": {"changed": "after its snapshot"}})
+        fresh.delete_many({"v": {"$gte": 25}})
+        database["first"].update_one({"_id": 1}, {"$set": {"v": "first too"}})
+        report = in_flight.stream_batch(spark, report.offset, "b1")
+        in_flight.acknowledge(report.offset)
+        # the next run (its collections resolved when it starts) finds every change in both mirrors
+        next_run = pipeline()
+        next_run.prepare()
+        offset = report.offset
+        for attempt in range(5):
+            later = next_run.stream_batch(spark, offset, f"n{attempt}")
+            offset = later.offset
+            next_run.acknowledge(offset)
+            if later.changes == 0 and later.waiting_windows == 0:
+                break
+        assert_exact(spark, next_run, fresh)
+        assert_exact(spark, next_run, database["first"])
+        # the run in flight captured the collection from the batch that met it on
+        assert report.newly_captured == [f"{database_name}.fresh"], report
+        assert sorted(in_flight.tables) == sorted(next_run.tables)

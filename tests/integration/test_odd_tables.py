@@ -331,3 +331,50 @@ def test_a_partition_attached_while_streaming_reaches_the_roots_mirror_exactly_o
     catch_up(pipeline, spark, recorded)
     assert_exact(pipeline, spark, config)
     assert spark.read.format("delta").load(pipeline.lake.table("public.meas").mirror).count() == 2
+
+
+def test_a_table_created_while_a_stream_run_is_in_flight_loses_no_change(source, spark) -> None:
+    """A run resolves its tables when it starts. A table created later in the ``FOR ALL TABLES`` publication and
+    matching the include patterns: another process (the snapshot run) captures it and reads its chunks, then rows
+    change, and the run that is still in flight streams on. Its batch meets the new table, resolves its tables
+    again and applies those changes (before, it left them out, the slot moved past them, and the mirror kept the
+    snapshot's values: lost updates). A keyless table created the same way is resolved once and then skipped."""
+    admin, _, path = source
+    from cdc_assets.config import load_config
+
+    loaded = load_config(path)
+    config = replace(loaded, sources=(replace(loaded.sources[0], include=("public.plain", "public.fresh*")),))
+    in_flight = PostgresPipeline(config, config.sources[0])
+    assert sorted(in_flight.prepare()) == ["public.plain"]
+    plain = in_flight.tables["public.plain"]
+    in_flight.snapshot(spark, plain, list(range(len(in_flight.plan(plain).chunks))), "initial")
+    recorded = catch_up(in_flight, spark, None)
+    admin.execute("create table fresh (id int primary key, v text)")
+    admin.execute("create table fresh_log (a int, b text)")  # no key: skipped once seen
+    admin.execute(sql.SQL("grant select on fresh, fresh_log to {}").format(sql.Identifier(ROLE)))
+    admin.execute("insert into fresh select g, 'new' || g from generate_series(1, 300) g")
+    # the snapshot run of the new table (its own process: its own resolution of the tables)
+    snapshotting = PostgresPipeline(config, config.sources[0])
+    fresh = snapshotting.prepare()["public.fresh"]
+    snapshotting.snapshot(spark, fresh, list(range(len(snapshotting.plan(fresh).chunks))), "fresh")
+    admin.execute("update fresh set v = 'changed after its snapshot' where id <= 50")
+    admin.execute("delete from fresh where id > 290")
+    admin.execute("insert into fresh_log values (1, 'x')")
+    admin.execute("update plain set v = 'plain too' where id <= 5")
+    recorded, report = stream_once(in_flight, spark, recorded)
+    recorded = catch_up(in_flight, spark, recorded)
+    # the next run (the tables resolved when it starts) finds every change of both tables in their mirrors
+    next_run = PostgresPipeline(config, config.sources[0])
+    recorded = catch_up(next_run, spark, recorded)
+    assert sorted(next_run.tables) == ["public.fresh", "public.plain"]
+    assert_exact(next_run, spark, config)
+    mirror = spark.read.format("delta").load(next_run.lake.table("public.fresh").mirror)
+    assert mirror.where("v = 'changed after its snapshot'").count() == 50 and mirror.count() == 290
+    # the run in flight captured the table from the batch that met it on
+    assert report.newly_captured == ["public.fresh"] and sorted(in_flight.tables) == sorted(next_run.tables)
+    assert "no primary key" in report.skipped_tables["public.fresh_log"]
+    # the keyless table does not make every later batch resolve the tables again
+    admin.execute("insert into fresh_log values (2, 'y')")
+    admin.execute("update fresh set v = 'later' where id = 1")
+    recorded, report = stream_once(in_flight, spark, recorded)
+    assert report.newly_captured == [] and report.changes == 1

@@ -29,6 +29,7 @@ from pyspark.sql import functions as F
 
 from cdc_assets.config import CdcConfig
 from cdc_assets.dialect import Offset
+from cdc_assets.lake.delta_tables import table_or_none
 from cdc_assets.source import StreamReport
 from cdc_assets.sources.postgres.pipeline import PostgresPipeline
 from cdc_assets.sources.postgres.stream import current_flush_lsn, slot_position
@@ -82,18 +83,20 @@ def assert_exact(pipeline: PostgresPipeline, spark, config: CdcConfig) -> None:
             first = differ[0][0]
             key = table.key_columns[0]
             meta = spark.read.format("delta").load(paths.mirror).where(F.col(key) == first)
-            history = (
-                spark.read.format("delta")
-                .load(paths.changelog)
-                .where((F.col(f"after.{key}") == first) | (F.col(f"before.{key}") == first))
-            )
             detail = [r.asDict() for r in meta.select("_cdc_op", "_cdc_position", "_cdc_unknown").collect()]
-            changes = [
-                r.asDict()
-                for r in history.select("_cdc_op", "_cdc_position", "_cdc_seq", "_cdc_xid", "_cdc_unchanged")
-                .orderBy("_cdc_position", "_cdc_seq")
-                .collect()
-            ]
+            changes: list[dict] | str = "none: the stream never applied a change of the table"
+            if table_or_none(spark, paths.changelog) is not None:
+                history = (
+                    spark.read.format("delta")
+                    .load(paths.changelog)
+                    .where((F.col(f"after.{key}") == first) | (F.col(f"before.{key}") == first))
+                )
+                changes = [
+                    r.asDict()
+                    for r in history.select("_cdc_op", "_cdc_position", "_cdc_seq", "_cdc_xid", "_cdc_unchanged")
+                    .orderBy("_cdc_position", "_cdc_seq")
+                    .collect()
+                ]
             short = [tuple(str(v)[:40] for v in row) for row in differ[:4]]
             raise AssertionError(f"{name}: {len(differ)} rows differ, e.g. {short}; mirror {detail}; log {changes}")
         unknown = spark.read.format("delta").load(paths.mirror).where(F.col("_cdc_unknown").isNotNull()).count()

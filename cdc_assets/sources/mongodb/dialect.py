@@ -19,7 +19,10 @@ Contract:
   ``ord`` (the applied position's cluster time: every event at or before it is applied) and ``resume_token`` (the
   token of the last applied event, the test server's form of the position when none is known), plus ``position``.
   ``position(offset)`` is ``(sec << 32) | ord``. ``bounded_reads``: it takes ``until`` (no event after it is read;
-  at or before the start: no stream is opened).
+  at or before the start: no stream is opened). After its events are read it lists the collections again: one the
+  source captures now that the run's ``tables`` lacks (created, or newly matching, while the run was in flight; a
+  change stream is opened per captured collection, so its events would be left behind) raises
+  ``CapturedTablesChanged`` and the pipeline resolves the tables and reads the batch again.
 - History lost: the start is before the oplog's first entry (``local.oplog.rs``, where the user may read it), or the
   server refuses a stream with error 286/280 (``history.HistoryLost``). With ``mongodb.on_history_lost: fail`` (the
   default) the batch raises ``PermanentBatchError`` naming the collections, the recorded position, the oplog window
@@ -60,7 +63,7 @@ from cdc_assets.engine.windows import FILL_CHUNK
 from cdc_assets.lake import staging
 from cdc_assets.lake.layout import SourceLake
 from cdc_assets.lake.schema import spark_fields
-from cdc_assets.source import PermanentBatchError, SourceError, SourceLag
+from cdc_assets.source import CapturedTablesChanged, PermanentBatchError, SourceError, SourceLag
 from cdc_assets.sources.mongodb import catalog, history, snapshot, stream
 from cdc_assets.sources.mongodb import client as clients
 from cdc_assets.sources.mongodb.catalog import ARROW_SCHEMA, COLUMNS, CapturedCollection, SkippedCollection
@@ -352,6 +355,9 @@ class MongoDialect:
             )  # fmt: skip
         except history.HistoryLost as lost:
             return self._history_lost(lost, after, captured)
+        newly_captured = self._newly_captured(tables)
+        if newly_captured:
+            raise CapturedTablesChanged(newly_captured)
         changes = {
             name: TableChanges(changes=table.changes, bytes=table.bytes, parts=table.parts, frame=_reader(table.path))
             for name, table in written.items()
@@ -361,6 +367,21 @@ class MongoDialect:
             transactions=batch.groups, bytes=batch.bytes, cut=batch.cut, last_commit_ts=batch.last_ts,
             lag_bytes=batch.waiting,
         )  # fmt: skip
+
+    def _newly_captured(self, tables: Mapping[str, CapturedCollection]) -> list[str]:
+        """The collections the source captures now that ``tables`` (the run's) lacks. Listed after the batch's events
+        were read, so a collection created before the batch's end is listed: its events up to the end would
+        otherwise be left behind (a change stream is opened per captured collection). A named collection that is
+        gone is the stream's to report (its drop event names it), not this listing's."""
+
+        def listing() -> list[CapturedCollection] | None:
+            try:
+                return catalog.discover(self.client, self.source)[0]
+            except SourceError:  # a named collection is gone (an unreachable server raises PyMongoError)
+                return None
+
+        captured = self._call("listing collections", listing)
+        return sorted(c.qualified_name for c in captured or [] if c.qualified_name not in tables)
 
     def _batch(self, applied: int, token: str | None, recorded: Offset | None, **figures: Any) -> ChangeBatch:
         """A ``ChangeBatch`` ending at ``applied``: the offset's token is the last applied event's, else (the test

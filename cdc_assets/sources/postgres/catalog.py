@@ -129,16 +129,10 @@ def discover(conn: psycopg.Connection, source: SourceConfig) -> Discovery:
             )  # fmt: skip
         else:
             chosen[name] = table
-    for pattern in source.include:
-        qualified_pattern = pattern if "." in pattern else f"public.{pattern}"
-        for name, (schema, relname) in sorted(existing.items()):
-            if fnmatch.fnmatchcase(name, qualified_pattern) and name not in chosen:
-                chosen[name] = TableConfig(schema=schema, name=relname)
-    for pattern in source.exclude:
-        qualified_pattern = pattern if "." in pattern else f"public.{pattern}"
-        for name in list(chosen):
-            if fnmatch.fnmatchcase(name, qualified_pattern):
-                del chosen[name]
+    for name, (schema, relname) in sorted(existing.items()):
+        if name not in chosen and _matches(source.include, name):
+            chosen[name] = TableConfig(schema=schema, name=relname)
+    chosen = {name: table for name, table in chosen.items() if not _matches(source.exclude, name)}
     tables: list[CapturedTable] = []
     for name, table in chosen.items():
         if name not in readable:
@@ -160,6 +154,43 @@ def discover(conn: psycopg.Connection, source: SourceConfig) -> Discovery:
                 "change or exclude the column (or the table)",
             )  # fmt: skip
     return Discovery(tables, [skipped[name] for name in sorted(skipped)])
+
+
+def _matches(patterns: Sequence[str], qualified_name: str) -> bool:
+    """Whether an include/exclude pattern matches (``fnmatch``, case-sensitive; a pattern without a schema is one of
+    ``public``)."""
+    return any(fnmatch.fnmatchcase(qualified_name, p if "." in p else f"public.{p}") for p in patterns)
+
+
+def selected(source: SourceConfig, schema: str, name: str) -> TableConfig | None:
+    """The configuration ``discover`` would capture the table with: listed under ``tables``, or matching an
+    ``include`` pattern, and matching no ``exclude`` pattern; None: the source does not select it."""
+    qualified_name = qualify(schema, name)
+    if _matches(source.exclude, qualified_name):
+        return None
+    for table in source.tables:
+        if table.qualified_name == qualified_name:
+            return table
+    return TableConfig(schema=schema, name=name) if _matches(source.include, qualified_name) else None
+
+
+def would_capture(conn: psycopg.Connection, source: SourceConfig, schema: str, name: str) -> bool:
+    """Whether ``discover`` would capture the (non-partition) table now: selected, readable by the role, and
+    describable (a key, usable column names and types). A stream batch asks this of a table it meets that its run
+    does not capture (``cdc_assets.sources.postgres.stream``)."""
+    table = selected(source, schema, name)
+    if table is None:
+        return False
+    row = conn.execute(
+        "select has_table_privilege(%s::regclass, 'SELECT')", [sql.Identifier(schema, name).as_string(conn)]
+    ).fetchone()
+    if row is None or not row[0]:
+        return False
+    try:
+        describe_table(conn, source, table)
+    except (CannotCapture, LookupError, ValueError):
+        return False
+    return True
 
 
 class CannotCapture(SourceError):

@@ -27,7 +27,7 @@ Contract:
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from datetime import UTC, datetime
 from pathlib import Path
@@ -198,7 +198,7 @@ class PostgresDialect:
             batch = stream.when_slot_free(  # a sensor's probe may be peeking the slot: the batch waits for it
                 lambda: stream.read_batch(
                     conn, self.source.slot, self.source.publication, dict(tables), spill_dir, max_changes,
-                    settings.spill_rows, max_bytes, settings.spill_bytes,
+                    settings.spill_rows, max_bytes, settings.spill_bytes, self._would_capture(conn),
                 )
             )  # fmt: skip
             server_flush = stream.current_flush_lsn(conn)
@@ -237,6 +237,19 @@ class PostgresDialect:
             last_commit_ts=batch.last_commit_ts,
             lag_bytes=max(0, server_flush - batch.applied_lsn),
         )
+
+    def _would_capture(self, conn: psycopg.Connection) -> Callable[[str, str], bool]:
+        """``catalog.would_capture`` inside a savepoint of the batch's transaction: a table dropped since its changes
+        were made raises there, and must not end the transaction that holds the slot's cursor."""
+
+        def would_capture(schema: str, name: str) -> bool:
+            try:
+                with conn.transaction():
+                    return catalog.would_capture(conn, self.source, schema, name)
+            except (psycopg.errors.UndefinedTable, psycopg.errors.InvalidSchemaName):  # dropped since
+                return False
+
+        return would_capture
 
     def position(self, offset: Offset) -> int:
         return parse_lsn(str(offset["lsn"]))

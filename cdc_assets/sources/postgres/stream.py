@@ -26,6 +26,11 @@ Contract:
   ``TRUNCATE`` that lists every current partition of a captured root truncates the root; a partition truncated
   alone is not applied (its rows stay in the root's mirror until its chunks are read again). A change of a table
   that is not captured (a skipped table in a ``FOR ALL TABLES`` publication) is not spilled.
+- A table the run does not capture but ``would_capture(schema, name)`` says the source captures now (created in a
+  ``FOR ALL TABLES`` publication, or newly matching the include patterns, while the run was in flight): the read
+  stops with ``CapturedTablesChanged`` naming it and returns nothing, so the caller resolves its tables again and
+  reads the batch again. Before, such a table's changes were left out and the slot moved past them: a change made
+  after the new table's snapshot read and before the run ended was lost from its mirror.
 - An unchanged TOAST value is recorded in ``_cdc_unchanged`` (column names) and its typed value is NULL; when the
   old tuple carries the full old row (replica identity FULL) the old value is used instead.
 - One session at a time: PostgreSQL refuses a peek of a slot another session is using ("replication slot ... is
@@ -50,7 +55,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from cdc_assets.engine.names import lake_folder, qualify
-from cdc_assets.source import PermanentBatchError
+from cdc_assets.source import CapturedTablesChanged, PermanentBatchError
 from cdc_assets.sources.postgres.catalog import CapturedTable
 from cdc_assets.sources.postgres.lsn import format_lsn, parse_lsn
 from cdc_assets.sources.postgres.pg_values import PgColumn, columns_from_catalog, decode_text_table
@@ -244,6 +249,7 @@ def read_batch(
     spill_rows: int,
     max_bytes: int | None = None,
     spill_bytes: int = 32 << 20,
+    would_capture: Callable[[str, str], bool] | None = None,
 ) -> Batch:
     """Read one bounded batch (see module docstring)."""
     start_lsn, _ = slot_position(conn, slot)
@@ -271,7 +277,9 @@ def read_batch(
             rows_read += 1
             if data[0] in ROW_CHANGE_TYPES:  # kept as they are and decoded column-wise when flushed
                 begin = decoder.transaction()
-                spill = _spill_for(decoder.relation_of(data), tables, spills, spill_dir, relation_columns, conn, roots)
+                spill = _spill_for(
+                    decoder.relation_of(data), tables, spills, spill_dir, relation_columns, conn, roots, would_capture
+                )
                 if spill is None:
                     continue
                 changes += 1
@@ -294,8 +302,8 @@ def read_batch(
                     cut_by_bytes = True  # a transaction boundary: the rest waits for the next batch
                     break
             elif isinstance(message, Truncate):
-                for relation in _truncated(message.relations, tables, conn, roots):
-                    spill = _spill_for(relation, tables, spills, spill_dir, relation_columns, conn, roots)
+                for relation in _truncated(message.relations, tables, conn, roots, would_capture):
+                    spill = _spill_for(relation, tables, spills, spill_dir, relation_columns, conn, roots, None)
                     if spill is not None:
                         changes += 1
                         spill.changes += 1
@@ -370,8 +378,9 @@ def _spill_for(
     relation_columns: dict[int, list[PgColumn]],
     conn: psycopg.Connection,
     roots: dict[int, str | None],
+    would_capture: Callable[[str, str], bool] | None,
 ) -> TableSpill | None:
-    name = _captured_name(relation, tables, conn, roots)
+    name = _captured_name(relation, tables, conn, roots, would_capture)
     if name is None:
         return None
     table = tables[name]
@@ -392,10 +401,15 @@ def _spill_for(
 
 
 def _captured_name(
-    relation: Relation, tables: dict[str, CapturedTable], conn: psycopg.Connection, roots: dict[int, str | None]
+    relation: Relation,
+    tables: dict[str, CapturedTable],
+    conn: psycopg.Connection,
+    roots: dict[int, str | None],
+    would_capture: Callable[[str, str], bool] | None = None,
 ) -> str | None:
     """The captured table a relation's changes belong to: itself, or the root of the partition it is (None: not
-    captured)."""
+    captured). Raises ``CapturedTablesChanged`` when that table is not captured but ``would_capture(schema, name)``
+    says the source captures it now. Decided once per relation and batch (``roots``)."""
     if relation.qualified_name in tables:
         return relation.qualified_name
     if relation.relation_id not in roots:
@@ -406,9 +420,12 @@ def _captured_name(
             """,
             [relation.relation_id, relation.relation_id],
         ).fetchone()
-        roots[relation.relation_id] = None if row is None else qualify(row[0], row[1])
-    root = roots[relation.relation_id]
-    return root if root in tables else None
+        schema, name = (relation.schema, relation.name) if row is None else (row[0], row[1])
+        owner = qualify(schema, name)
+        if owner not in tables and would_capture is not None and would_capture(schema, name):
+            raise CapturedTablesChanged([owner])
+        roots[relation.relation_id] = owner if owner in tables else None
+    return roots[relation.relation_id]
 
 
 def _truncated(
@@ -416,6 +433,7 @@ def _truncated(
     tables: dict[str, CapturedTable],
     conn: psycopg.Connection,
     roots: dict[int, str | None],
+    would_capture: Callable[[str, str], bool] | None = None,
 ) -> list[Relation]:
     """The relations of a ``TRUNCATE`` to apply: captured tables as they are, and, for a partitioned root, one of its
     partitions when the message lists every partition the root has now (the root was truncated); a partition
@@ -423,7 +441,7 @@ def _truncated(
     applied: list[Relation] = []
     leaves_by_root: dict[str, list[Relation]] = {}
     for relation in relations:
-        name = _captured_name(relation, tables, conn, roots)
+        name = _captured_name(relation, tables, conn, roots, would_capture)
         if name is None:
             continue
         if name == relation.qualified_name:
