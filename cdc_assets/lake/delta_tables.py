@@ -5,9 +5,22 @@ path" (no folder, or a folder without a Delta log); ``table_or_none(spark, path)
 returns ``None`` then. Both ask the storage, not ``DeltaTable.isDeltaTable``: that answers from a cached
 ``DeltaLog`` and, in a long-lived session that once looked while another process was creating the table, keeps
 answering False (found by tools/torture.py).
+
+``clear_interrupted_create(path)``: a process killed while it created a Delta table can leave a ``_delta_log``
+folder that holds no commit; ``DeltaTable.createIfNotExists`` then fails for good with ``DELTA_TABLE_NOT_FOUND``
+(an append creates the table, a create does not). Called before a missing table is created, it removes such a log
+folder (only when no file in it is a commit, a checkpoint or ``_last_checkpoint``); it returns whether it did. Safe
+because each lake table has one writer at a time (the stream, serialized by the source's lake-write pool). Found by
+the MongoDB torture run in CI: a stream killed while it created a mirror failed every later batch ("stream run b4
+failed 8 times ... DELTA_TABLE_NOT_FOUND").
 """
 
 from __future__ import annotations
+
+import re
+import shutil
+from pathlib import Path
+from urllib.parse import urlparse
 
 from delta.tables import DeltaTable
 from pyspark.errors import AnalysisException
@@ -27,3 +40,17 @@ def table_or_none(spark: SparkSession, path: str) -> DeltaTable | None:
         if is_missing_table(error):
             return None
         raise
+
+
+LOG_ENTRY = re.compile(r"^(\d{20}\.|_last_checkpoint$)")  # a commit, checkpoint or checksum of a version
+
+
+def clear_interrupted_create(path: str) -> bool:
+    parsed = urlparse(path)
+    if parsed.scheme not in ("", "file"):  # object stores have no empty folders: a commit is one atomic put
+        return False
+    log = Path(parsed.path if parsed.scheme else path) / "_delta_log"
+    if not log.is_dir() or any(LOG_ENTRY.match(entry.name) for entry in log.iterdir()):
+        return False
+    shutil.rmtree(log)
+    return True

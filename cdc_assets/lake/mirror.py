@@ -83,7 +83,7 @@ from cdc_assets.engine.windows import FILL_CHUNK, ChunkWindow
 from cdc_assets.lake import staging
 from cdc_assets.lake.column_mapping import MODE as MAPPING_MODE
 from cdc_assets.lake.column_mapping import column_mapping_properties, enable_column_mapping, refused_names
-from cdc_assets.lake.delta_tables import table_or_none
+from cdc_assets.lake.delta_tables import clear_interrupted_create, table_or_none
 from cdc_assets.lake.retry import commit_with_retry
 from cdc_assets.lake.schema import UNREPRESENTABLE_COLUMN
 from cdc_assets.lake.settled import SettledRule
@@ -125,9 +125,11 @@ def ensure_mirror(
             builder = builder.property(name, value)
         builder.execute()
 
-    if not DeltaTable.isDeltaTable(spark, path):
+    table = table_or_none(spark, path)
+    if table is None:
+        clear_interrupted_create(path)  # a create killed half-way must not fail every later one
         commit_with_retry(create, f"create mirror {path}")
-    table = DeltaTable.forPath(spark, path)
+        table = DeltaTable.forPath(spark, path)
     existing = {f.name for f in table.toDF().schema.fields}
     missing = [f for f in schema.fields if f.name not in existing]
     if missing:
@@ -198,6 +200,7 @@ def append_changelog(spark: SparkSession, path: str, changes: DataFrame, batch_p
         changes = changes.where(F.col("_cdc_position") > already)
     if refused_names(changes.schema):  # column names Delta refuses by default: column mapping, created first
         if table_or_none(spark, path) is None:
+            clear_interrupted_create(path)
             create = DeltaTable.createIfNotExists(spark).location(path).addColumns(changes.schema)
             commit_with_retry(lambda: create.property(MAPPING_MODE, "name").execute(), f"create changelog {path}")
         else:
