@@ -89,7 +89,15 @@ from cdc_assets.sources.mongodb.bson_order import canonical_json
 from cdc_assets.sources.mongodb.catalog import id_key
 from cdc_assets.sources.mongodb.watermark import format_position, position_of, timestamp_of
 from tests.integration.mongo_support import MongoTestServer, start_mongo_test_server
-from tools.torture_source import WORKER_MASTER, Tally, VerifyResult, WorkloadContext, compare_rows, show
+from tools.torture_source import (
+    WORKER_MASTER,
+    Tally,
+    VerifyResult,
+    WorkloadContext,
+    compare_rows,
+    lake_failures,
+    show,
+)
 
 COLLECTIONS = ("mixed", "docs", "blobs")
 OPLOG_OPS = {"i": "c", "u": "u", "d": "d"}
@@ -567,19 +575,10 @@ def verify(spark: Any, spec: Mapping[str, Any], oracle_start: int) -> VerifyResu
             difference = compare_rows(name, ["_id", "document"], mirror, source)
             if difference is not None:
                 failures.append(difference)
-            unknown = frame.where(F.col("_cdc_unknown").isNotNull()).count()
-            if unknown:
-                failures.append(f"table {name}: {unknown} mirror rows with _cdc_unknown values")
+            problems, changelog = lake_failures(spark, name, frame, paths.changelog, "_cdc_position", format_position)
+            failures += problems
             log: Counter[tuple[int, str, str]] = Counter()
-            if Path(paths.changelog).exists():
-                changelog = spark.read.format("delta").load(paths.changelog)
-                duplicates = changelog.groupBy("_cdc_position", "_cdc_seq").count().where("count > 1")
-                first = duplicates.first()
-                if first is not None:
-                    failures.append(
-                        f"changelog {name}: {duplicates.count()} duplicate (_cdc_position, _cdc_seq), e.g. "
-                        f"({format_position(first['_cdc_position'])}, {first['_cdc_seq']}) x{first['count']}"
-                    )
+            if changelog is not None:
                 keyed = changelog.select(
                     "_cdc_position", "_cdc_op", F.coalesce("after._id_key", "before._id_key").alias("key")
                 )

@@ -68,6 +68,7 @@ from tools.torture_source import (
     VerifyResult,
     WorkloadContext,
     compare_rows,
+    lake_failures,
     show,
     show_key,
 )
@@ -891,19 +892,10 @@ def verify(spark: Any, spec: Mapping[str, Any], admin_dsn: str, oracle_start: in
             count = frame.count()
             if count != len(mirror):
                 failures.append(f"table {name}: the mirror has {count} rows but {len(mirror)} distinct rows")
-        unknown = frame.where(F.col("_cdc_unknown").isNotNull()).count()
-        if unknown:
-            failures.append(f"table {name}: {unknown} mirror rows with _cdc_unknown values")
+        problems, log = lake_failures(spark, name, frame, paths.changelog, "_cdc_commit_lsn", format_lsn)
+        failures += problems
         log_counts: Counter[tuple[int, int, str]] = Counter()
-        if Path(paths.changelog).exists():
-            log = spark.read.format("delta").load(paths.changelog)
-            duplicates = log.groupBy("_cdc_commit_lsn", "_cdc_seq").count().where("count > 1")
-            first = duplicates.first()
-            if first is not None:
-                failures.append(
-                    f"changelog {name}: {duplicates.count()} duplicate (_cdc_commit_lsn, _cdc_seq), e.g. "
-                    f"({format_lsn(first['_cdc_commit_lsn'])}, {first['_cdc_seq']}) x{first['count']}"
-                )
+        if log is not None:
             for r in (
                 log.where(F.col("_cdc_position") > oracle_start)
                 .groupBy("_cdc_position", "_cdc_xid", "_cdc_op")

@@ -32,12 +32,14 @@ import random
 import threading
 import time
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, Protocol, TypedDict
 
 if TYPE_CHECKING:
+    from pyspark.sql import DataFrame, SparkSession
+
     from cdc_assets.config import CdcConfig
 
 WORKER_MASTER = "local[2,4]"  # a worker's Spark: 2 cores, a failed task is retried up to 4 times (as on a cluster)
@@ -191,3 +193,29 @@ def compare_rows(name: str, columns: list[str], mirror: dict[tuple, tuple], sour
         shown_want = ", ".join(f"{columns[i]}: {show(want[i])}" for i in differ)
         return f"table {name} key {show_key(key)}: mirror={{{shown_got}}} source={{{shown_want}}}"
     return None
+
+
+def lake_failures(
+    spark: SparkSession, name: str, mirror: DataFrame, changelog_path: str, change_id: str,
+    show_position: Callable[[int], str],
+) -> tuple[list[str], DataFrame | None]:  # fmt: skip
+    """What every source's verification checks of one table's lake the same way: no mirror row holds unknown
+    values, and no change is twice in the changelog (``(change_id, _cdc_seq)`` unique: PostgreSQL's
+    ``_cdc_commit_lsn``, MongoDB's ``_cdc_position``). Returns the failures and the changelog (None: none yet)."""
+    from pyspark.sql import functions as F  # the runner itself imports no Spark
+
+    failures = []
+    unknown = mirror.where(F.col("_cdc_unknown").isNotNull()).count()
+    if unknown:
+        failures.append(f"table {name}: {unknown} mirror rows with _cdc_unknown values")
+    if not Path(changelog_path).exists():
+        return failures, None
+    changelog = spark.read.format("delta").load(changelog_path)
+    duplicates = changelog.groupBy(change_id, "_cdc_seq").count().where("count > 1")
+    first = duplicates.first()
+    if first is not None:
+        failures.append(
+            f"changelog {name}: {duplicates.count()} duplicate ({change_id}, _cdc_seq), e.g. "
+            f"({show_position(first[change_id])}, {first['_cdc_seq']}) x{first['count']}"
+        )
+    return failures, changelog
