@@ -572,14 +572,17 @@ class CdcPipeline(Generic[TableT]):
     def pending_work(self, lag: SourceLag | None = None) -> str | None:
         """Why a stream batch is due now, or None: the source's own reason (changes wait; it keeps too much for us),
         or a staged window's high watermark is at or below the source's current position (it can close), or a
-        consistency check waits for the stream to pass its high watermark. Reads no Delta table (the waiting markers
-        are plain files): cheap enough for a sensor. ``lag``: one the caller just took."""
+        consistency check waits for the stream to pass its high watermark (only until the acknowledged position
+        passed it: the check then compares while its marker stays, and a long-lived run used to read an empty batch
+        every poll meanwhile, a materialization each). Reads no Delta table (the waiting markers are plain files):
+        cheap enough for a sensor. ``lag``: one the caller just took."""
         reason, position = self.dialect.pending(lag)
         if reason is not None:
             return reason
         if any(hw <= position for hw in self.lake.waiting_markers().values()):
             return "a chunk window can close"
-        if any(hw <= position for hw in self.lake.check_markers()):
+        acknowledged = self.lake.acknowledged()
+        if any(hw <= position and (acknowledged is None or acknowledged < hw) for hw in self.lake.check_markers()):
             return "a consistency check waits for the stream"
         return None
 

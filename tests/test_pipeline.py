@@ -271,6 +271,24 @@ def test_a_table_created_while_a_run_is_in_flight_is_captured_by_the_batch_that_
     assert mirror_rows(spark, pipeline, tags) == database.snapshot("app.tags")
 
 
+def test_a_waiting_check_asks_for_batches_only_until_the_stream_passed_its_high_watermark(tmp_path: Path) -> None:
+    """Pure (no Spark): the check's marker stays while it compares, after the stream passed its high watermark; the
+    stream is due for the check only before that."""
+    database = seeded_database()
+    config, source = config_for(tmp_path / "lake", max_changes=1000)
+    pipeline = CdcPipeline(config, source, MemoryDialect(database, chunk_size=1000))
+    database.forgotten = database.position  # nothing waits in the source
+    assert pipeline.pending_work() is None
+    pipeline.lake.mark_check_waiting("check", database.position)
+    assert pipeline.pending_work() == "a consistency check waits for the stream"
+    pipeline.lake.record_acknowledged(database.position - 1)
+    assert pipeline.pending_work() == "a consistency check waits for the stream"
+    pipeline.lake.record_acknowledged(database.position)  # a batch passed it: the check compares now
+    assert pipeline.pending_work() is None
+    pipeline.lake.clear_check_waiting("check")
+    assert pipeline.pending_work() is None
+
+
 def test_the_reference_dialect_is_what_the_pipeline_asks_for() -> None:
     """Every operation of the dialect interface exists on the in-memory dialect (no PostgreSQL anywhere)."""
     from cdc_assets.dialect import SourceDialect
