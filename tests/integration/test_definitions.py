@@ -565,3 +565,62 @@ def test_the_stream_sensor_records_lag_and_fails_the_lag_check_while_the_stream_
     assert executions and executions[0]["status"] == "FAILED", executions
     evaluation = executions[0]["evaluation"]
     assert evaluation["success"] is False and "max_lag_alert_seconds=2" in (evaluation["description"] or "")
+
+
+def run_offsets_cli(config: Path, home: Path) -> tuple[int, dict, str]:
+    env = {**os.environ, "DAGSTER_HOME": str(home), "DEFS_PW": READER_PASSWORD}
+    result = subprocess.run(
+        [sys.executable, "-m", "cdc_assets.cli", "offsets", "--config", str(config)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    return result.returncode, json.loads(result.stdout or "{}"), result.stdout + result.stderr
+
+
+def test_the_offsets_cli_prints_every_sources_recorded_offset_and_lag(config_path, tmp_path: Path) -> None:
+    """``python -m cdc_assets.cli offsets``: the offset the ``change_offset`` job recorded (who and why), its
+    position, the acknowledged position and the lag, as JSON; an unreachable source gets an error naming it (no
+    credential) while the others are listed, and the exit status says so."""
+    path, admin_dsn = config_path
+    home = tmp_path / "dagster_home"
+    home.mkdir()
+    with psycopg.connect(f"{admin_dsn} dbname={DATABASE}", autocommit=True) as admin:
+        confirmed, _ = slot_position(admin, DATABASE)
+    lsn = f"{confirmed >> 32:X}/{confirmed & 0xFFFFFFFF:X}"
+    defs = build_definitions(path)
+    with DagsterInstance.from_ref(InstanceRef.from_dir(str(home))) as instance:
+        offset = {"lsn": lsn, "changed_by": "operator", "reason": "offsets cli test"}
+        run = defs.get_job_def("defs_change_offset").execute_in_process(
+            run_config={"ops": {"defs_record_offset": {"config": offset}}}, instance=instance
+        )
+        assert run.success
+    status, report, output = run_offsets_cli(path, home)
+    assert status == 0, output
+    (entry,) = report["sources"]
+    assert (entry["source"], entry["kind"]) == ("defs", "postgres")
+    fields = entry["recorded"]["fields"]
+    assert fields["lsn"] == lsn and fields["changed_by"] == "operator" and fields["reason"] == "offsets cli test"
+    assert entry["recorded"]["run_id"] == run.run_id
+    assert entry["position"] == lsn and entry["acknowledged"] == lsn
+    assert isinstance(entry["lag_bytes"], int) and entry["lag_bytes"] >= 0 and "error" not in entry
+    # a second source whose server does not answer
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        closed_port = probe.getsockname()[1]
+    broken = tmp_path / "two.yaml"
+    broken.write_text(
+        path.read_text()
+        + f"""  - name: gone
+    kind: postgres
+    connection: {{host: 127.0.0.1, port: {closed_port}, dbname: nowhere, user: someone, password: "${{DEFS_PW}}",
+                 connect_timeout: 3}}
+    slot: gone
+    publication: gone
+    include: ["public.*"]
+"""
+    )
+    status, report, output = run_offsets_cli(broken, home)
+    assert status == 1, output
+    defs_entry, gone = report["sources"]
+    assert defs_entry["position"] == lsn and "error" not in defs_entry
+    assert gone["source"] == "gone" and gone["recorded"] is None and "gone" in gone["error"], gone
+    assert READER_PASSWORD not in output
