@@ -340,6 +340,17 @@ def build_stream_asset(source: SourceConfig, table_names: list[str]) -> AssetsDe
                         "deleted_from_mirror": item["deleted"],
                     },
                 )
+            for item in report.rows_windows:
+                context.log.info(
+                    f"table {item['table']}: ad-hoc snapshot of rows {item['attempt']} reconciled: {item['kept']} rows "
+                    f"applied, {item['dropped']} left to the stream (changed by transactions not settled at its low "
+                    "watermark); nothing deleted"
+                )
+                yield AssetObservation(
+                    asset_key=table_asset_key(source.name, str(item["table"])),
+                    metadata={"status": "rows reconciled", "attempt": str(item["attempt"]), "kept": item["kept"],
+                              "dropped": item["dropped"]},
+                )  # fmt: skip
             yield AssetMaterialization(asset_key=stream_asset_key(source.name), metadata=batch_metadata(report))
             # the offset is recorded: the source may now forget what it covers (never before)
             fault_point("stream.after_offset_record")
@@ -516,19 +527,26 @@ def _next_batch_due(context: AssetExecutionContext, pipeline: CdcSource, source:
 
 
 def _another_run_needs_the_pool(context: AssetExecutionContext, source_name: str) -> bool:
-    """Whether another active run writes this source's lake (its offset job, or another stream run)."""
+    """Whether another active run needs this source's lake-write pool (its offset job, its snapshot_rows job, or
+    another stream run)."""
     stream_key = stream_asset_key(source_name)
     for record in context.instance.get_run_records(RunsFilter(statuses=ACTIVE_RUN_STATUSES)):
         run = record.dagster_run
         if run.run_id == context.run.run_id:
             continue
-        if run.job_name == change_offset_job_name(source_name) or stream_key in (run.asset_selection or set()):
+        if run.job_name in (change_offset_job_name(source_name), snapshot_rows_job_name(source_name)):
+            return True
+        if stream_key in (run.asset_selection or set()):
             return True
     return False
 
 
 def change_offset_job_name(source_name: str) -> str:
     return f"{source_name}_change_offset"
+
+
+def snapshot_rows_job_name(source_name: str) -> str:
+    return f"{source_name}_snapshot_rows"
 
 
 def stream_job_name(source_name: str) -> str:

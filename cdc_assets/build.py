@@ -30,6 +30,7 @@ from cdc_assets.assets import (
 )
 from cdc_assets.config import CdcConfig, SourceConfig, load_config
 from cdc_assets.offsets import build_change_offset_job
+from cdc_assets.snapshot_rows import build_snapshot_rows_job
 from cdc_assets.source import SkippedTableLike, SourceError
 from cdc_assets.sources import open_source
 from resources.cdc import CdcResource
@@ -74,7 +75,7 @@ def build_definitions(config_path: str | os.PathLike[str]) -> Definitions:
         assets.append(build_stream_asset(source, names))
         checks.append(build_lag_check(source))
         stream_job = define_asset_job(stream_job_name(source.name), selection=[stream_asset_key(source.name)])
-        jobs += [stream_job, build_change_offset_job(source.name)]
+        jobs += [stream_job, build_change_offset_job(source.name), build_snapshot_rows_job(source)]
         sensors.append(build_stream_sensor(source.name, stream_job.name, source.stream.interval_seconds))
         if names or skipped:
             sensors.append(build_planner_sensor(source.name, names))

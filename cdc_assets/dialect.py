@@ -13,7 +13,14 @@ only in ``acknowledge``).
   its reads (``cdc_assets.lake.watermark_window``); ``stage_chunks`` reads chunks (in Spark tasks where it can) into
   staged files of an attempt (``cdc_assets.lake.staging``, rows typed by the table's Arrow schema ending with
   ``_cdc_unrepresentable``) and returns the rows per chunk; ``stage_rows_by_key`` reads the rows of some keys (a fill
-  window) into one staged file of chunk ``FILL_CHUNK``.
+  window) into one staged file of chunk ``FILL_CHUNK``; ``stage_rows_matching`` reads the rows matching a
+  ``RowFilter`` (None: every row; an ad-hoc snapshot of chosen rows) into one staged file of chunk ``ROWS_CHUNK``,
+  with the filter applied by the source (never as text pasted into a query).
+- ``row_filter(table, raw)``: the filter ``raw`` validated for ``table`` (``cdc_assets.engine.row_filter``, against
+  the table's columns, or as document field paths), and checked to be one the source can apply (PostgreSQL: each
+  value casts to its column's type and the comparison exists; MongoDB: typed values decode to a BSON scalar); raises
+  ``RowFilterError`` naming the table, the term, the field and the allowed values. Reads nothing of the table's rows
+  and writes nothing.
 - ``read_batch(recorded, spill_dir, max_changes, max_bytes)``: one bounded batch of changes after the recorded
   offset (``None``: from where the source holds changes for us), spilled under ``spill_dir`` (``ChangeBatch``). It
   stops at a transaction boundary; a single transaction larger than a bound is read whole. It may first make the
@@ -49,6 +56,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 from cdc_assets.engine.chunks import Chunk, ChunkPlan
+from cdc_assets.engine.row_filter import RowFilter
 from cdc_assets.lake.settled import SettledRule
 from cdc_assets.source import SkippedTableLike, SourceLag, TableT
 
@@ -114,6 +122,10 @@ class WindowSession(Protocol[TableT]):
 
     def stage_rows_by_key(self, table: TableT, keys: Sequence[tuple], staging_path: str, attempt: str) -> int: ...
 
+    def stage_rows_matching(
+        self, table: TableT, row_filter: RowFilter | None, staging_path: str, attempt: str
+    ) -> int: ...
+
 
 class CheckSession(Protocol[TableT]):
     """The source half of one consistency check (``cdc_assets.consistency``), and the mirror-side expressions that
@@ -152,6 +164,8 @@ class SourceDialect(Protocol[TableT]):
     def discover(self) -> tuple[Sequence[TableT], Sequence[SkippedTableLike]]: ...
 
     def plan_chunks(self, table: TableT) -> ChunkPlan: ...
+
+    def row_filter(self, table: TableT, raw: object) -> RowFilter: ...
 
     def window(self) -> AbstractContextManager[WindowSession[TableT]]: ...
 

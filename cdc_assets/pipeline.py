@@ -33,6 +33,17 @@ differs (``cdc_assets.dialect.SourceDialect``); everything below is the same for
   has that marker, no window of it whose reads started before the marker's position is applied
   (``engine.windows.read_before``), and the marker is removed once every chunk of the table has a reconciled window
   read after it; its consistency checks are inconclusive until then.
+- ``rows_requests(spark, requested)`` and ``snapshot_rows(spark, table, row_filter, run_id)``: an ad-hoc snapshot of
+  chosen rows (the ``<source>_snapshot_rows`` job). ``rows_requests`` validates every requested table and filter
+  before anything is read (the table is captured and named once; the dialect's ``row_filter``; no rows window of
+  the table waits for the stream, as a new one would supersede it and its rows would never be applied) and raises
+  ``SnapshotRowsRefused`` (``RowFilterError`` for a filter) naming the table, the field and the allowed values:
+  nothing is read, staged or recorded then. ``snapshot_rows`` reads the matching rows inside a watermark window of
+  their own (``run_window``: low watermark, the dialect's ``stage_rows_matching``, high watermark, window log record
+  as chunk ``ROWS_CHUNK``, waiting marker); nothing is written to the mirror there. The stream reconciles the
+  window once it has passed the high watermark, like a fill window: the settled rows are upserted, nothing is
+  deleted, and the rows no filter term matches are not touched. A run killed before the record leaves staged rows
+  that no window names (dropped by the upkeep).
 - ``startup_mode: snapshot`` with a dialect that bounds its reads (``bounded_reads``; MongoDB): a batch reads no
   change after the highest high watermark of the staged windows and waiting checks (none waiting: no change at
   all), so the snapshot is reconciled and the stream goes no further (``streams_only_for_windows``).
@@ -67,15 +78,18 @@ from cdc_assets.dialect import ChangeBatch, Offset, SourceDialect
 from cdc_assets.engine.batch_bounds import BatchBounds, after_failure, after_success, recover_in_flight, with_in_flight
 from cdc_assets.engine.chunks import Chunk, ChunkPlan
 from cdc_assets.engine.faults import fault_point, size_fault
+from cdc_assets.engine.row_filter import RowFilter, SnapshotRowsRefused
 from cdc_assets.engine.windows import (
     FILL_CHUNK,
     RECONCILED,
+    ROWS_CHUNK,
     ChunkWindow,
     WindowEvent,
     closable,
     open_windows,
     read_before,
     resnapshot_done,
+    waiting_rows_windows,
 )
 from cdc_assets.lake import staging
 from cdc_assets.lake import windows as window_log
@@ -249,6 +263,76 @@ class CdcPipeline(Generic[TableT]):
             hw=windows[0].hw if windows else 0,
         )
 
+    # -- ad-hoc snapshot of chosen rows ----------------------------------------------------------------------
+    def rows_requests(
+        self, spark: SparkSession, requested: Sequence[tuple[str, object | None]]
+    ) -> list[tuple[TableT, RowFilter | None]]:
+        """Every requested (table name, raw filter or None: every row) validated, before anything is read (module
+        docstring); raises ``SnapshotRowsRefused``."""
+        if not requested:
+            raise SnapshotRowsRefused(f"source {self.source.name!r}: tables: name at least one table")
+        names = [name for name, _ in requested]
+        twice = sorted({name for name in names if names.count(name) > 1})
+        if twice:
+            raise SnapshotRowsRefused(
+                f"source {self.source.name!r}: tables: {', '.join(twice)} named more than once; give one entry per "
+                "table (a filter's terms are all ANDed; for rows matching either of two filters, run the job twice)"
+            )
+        tables = self.tables
+        validated: list[tuple[TableT, RowFilter | None]] = []
+        for name, raw in requested:
+            table = tables.get(name)
+            if table is None:
+                raise SnapshotRowsRefused(
+                    f"source {self.source.name!r}: table {name!r} is not captured; captured: "
+                    f"{', '.join(sorted(tables)) or 'none'}"
+                )
+            validated.append((table, None if raw is None else self.dialect.row_filter(table, raw)))
+        waiting = self.waiting_rows_windows(spark)
+        for table, _ in validated:
+            self._refuse_when_waiting(waiting, table.qualified_name)
+        return validated
+
+    def waiting_rows_windows(self, spark: SparkSession) -> dict[str, ChunkWindow]:
+        """Per table, its rows window that waits for the stream (``engine.windows.waiting_rows_windows``)."""
+        since = {name: marker.position for name, marker in self.lake.resnapshot_markers().items()}
+        return waiting_rows_windows(window_log.read_events(spark, self.lake.windows), since)
+
+    def _refuse_when_waiting(self, waiting: Mapping[str, ChunkWindow], name: str) -> None:
+        window = waiting.get(name)
+        if window is not None:
+            raise SnapshotRowsRefused(
+                f"source {self.source.name!r}: table {name}: an ad-hoc snapshot of its rows (attempt "
+                f"{window.attempt}, {window.rows} rows, high watermark {self.format_position(window.hw)}) waits for "
+                "the stream to pass its high watermark; a new one would supersede it and its rows would never be "
+                "applied. Run this again once the stream has reconciled it (the stream run's log names it)"
+            )
+
+    def snapshot_rows(
+        self, spark: SparkSession, table: TableT, row_filter: RowFilter | None, run_id: str
+    ) -> SnapshotReport:
+        """Stage the rows of ``table`` matching ``row_filter`` (None: every row) in a rows window (module
+        docstring). Refuses (``SnapshotRowsRefused``) while another rows window of the table waits."""
+        started = time.monotonic()
+        name = table.qualified_name
+        self._refuse_when_waiting(self.waiting_rows_windows(spark), name)
+        attempt = f"rows-{run_id}-{uuid.uuid4().hex[:8]}"
+        staging_path = self.lake.table(name).staging
+        with self.dialect.window() as session:
+
+            def read() -> dict[int, int]:
+                return {ROWS_CHUNK: session.stage_rows_matching(table, row_filter, staging_path, attempt)}
+
+            windows = run_window(spark, self.lake, name, [ROWS_CHUNK], attempt, session, read)
+        return SnapshotReport(
+            attempt=attempt,
+            rows=windows[0].rows,
+            per_chunk={ROWS_CHUNK: windows[0].rows},
+            seconds=time.monotonic() - started,
+            low_watermark=windows[0].low_watermark,
+            hw=windows[0].hw,
+        )
+
     # -- streaming -------------------------------------------------------------------------------------------
     def stream_batch(self, spark: SparkSession, recorded: Offset | None, run_id: str) -> StreamReport:
         """One batch (see module docstring)."""
@@ -374,7 +458,7 @@ class CdcPipeline(Generic[TableT]):
                 }  # fmt: skip
             progress.phase, progress.table = "reconcile", None
             mark = time.monotonic()
-            reconciled, waiting, filled = self._reconcile_closed(spark, batch.applied)
+            reconciled, waiting, filled, rows_windows = self._reconcile_closed(spark, batch.applied)
             # keys still unknown after a fill window closed (their rows were replaced or touched meanwhile) get the next
             waiting += self._fill_unknown(spark, {**unknown_keys, **dict.fromkeys(filled)})
             phases["reconcile"] = time.monotonic() - mark
@@ -400,6 +484,7 @@ class CdcPipeline(Generic[TableT]):
             bytes=batch.bytes,
             resnapshot=batch.resnapshot,
             newly_captured=newly_captured,
+            rows_windows=rows_windows,
         )
 
     def _read_batch(
@@ -476,9 +561,11 @@ class CdcPipeline(Generic[TableT]):
             opened += 1
         return opened
 
-    def _reconcile_closed(self, spark: SparkSession, applied: int) -> tuple[list[dict[str, object]], int, set[str]]:
-        """Reconcile the windows the stream has passed: the chunks reconciled, the windows still open, and the tables
-        whose fill window was reconciled."""
+    def _reconcile_closed(
+        self, spark: SparkSession, applied: int
+    ) -> tuple[list[dict[str, object]], int, set[str], list[dict[str, object]]]:
+        """Reconcile the windows the stream has passed: the chunks reconciled, the windows still open, the tables
+        whose fill window was reconciled, and the rows windows reconciled (ad-hoc snapshots of chosen rows)."""
         log_read_at = time.time()
         events = window_log.read_events(spark, self.lake.windows)
         pending = open_windows(events)
@@ -487,6 +574,7 @@ class CdcPipeline(Generic[TableT]):
         ready = closable([w for w in pending if w not in stale], applied)
         done: list[dict[str, object]] = []
         filled: set[str] = set()
+        rows_windows: list[dict[str, object]] = []
         by_table: dict[str, list[ChunkWindow]] = {}
         for window in ready:
             by_table.setdefault(window.table, []).append(window)
@@ -513,6 +601,13 @@ class CdcPipeline(Generic[TableT]):
                 if r.chunk == FILL_CHUNK:  # not a chunk of the table's asset
                     filled.add(r.table)
                     continue
+                if r.chunk == ROWS_CHUNK:  # an ad-hoc snapshot of chosen rows: nothing is deleted by it
+                    attempt = next(w.attempt for w in windows if w.chunk == ROWS_CHUNK)
+                    rows_windows.append(
+                        {"table": r.table, "attempt": attempt, "event": RECONCILED, "kept": r.kept,
+                         "dropped": r.dropped}
+                    )  # fmt: skip
+                    continue
                 done.append(
                     {"table": r.table, "chunk": r.chunk, "event": RECONCILED, "kept": r.kept, "dropped": r.dropped,
                      "deleted": r.deleted}
@@ -528,7 +623,7 @@ class CdcPipeline(Generic[TableT]):
             if markers.get((window.table, window.chunk)) != window.hw:
                 self.lake.mark_waiting(window.table, window.chunk, window.hw)
         self.lake.clear_stale_markers({(w.table, w.chunk) for w in still_open}, older_than=log_read_at)
-        return done, len(still_open), filled
+        return done, len(still_open), filled, rows_windows
 
     # -- what the source answers -----------------------------------------------------------------------------
     def partitions(self, table: TableT) -> list[str]:

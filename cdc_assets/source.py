@@ -33,6 +33,9 @@ engine (chunks, watermark windows, reconciliation, offsets) and the lake code ar
 - ``partitions(table)`` names the table's partitions now (PostgreSQL: leaf partitions of a partitioned table; none
   otherwise). Attaching or detaching one changes the table's rows without a change in the log: the planner sensor
   then requests a snapshot of every chunk.
+- ``rows_requests(spark, requested)`` validates an ad-hoc snapshot of chosen rows (tables and filters,
+  ``cdc_assets.engine.row_filter``) before anything is read, and ``snapshot_rows(spark, table, row_filter, run_id)``
+  stages the matching rows in a watermark window of their own; the stream reconciles them (upserts; never deletes).
 - ``check_chunks(spark, table, indexes, wait_seconds)`` compares row count and checksum of chunks, computed at the
   source and over the mirror, at a consistent point (``cdc_assets.consistency``, written once; the source half
   from the dialect).
@@ -50,6 +53,7 @@ from typing import TYPE_CHECKING, Protocol, TypeVar
 
 from cdc_assets.config import SourceConfig
 from cdc_assets.engine.chunks import ChunkPlan
+from cdc_assets.engine.row_filter import RowFilter
 from cdc_assets.lake.layout import SourceLake
 
 if TYPE_CHECKING:
@@ -141,6 +145,8 @@ class StreamReport:
     resnapshot: str | None = None
     # tables the run captured from this batch on (created or selected while it was in flight)
     newly_captured: list[str] = field(default_factory=list)
+    # ad-hoc snapshots of chosen rows reconciled by this batch: table, attempt, kept and dropped rows
+    rows_windows: list[dict[str, object]] = field(default_factory=list)
 
 
 @dataclass
@@ -210,3 +216,11 @@ class CdcSource(Protocol[TableT]):
     def check_chunks(
         self, spark: SparkSession, table: TableT, indexes: Sequence[int], wait_seconds: float = 120
     ) -> list[ChunkCheck]: ...
+
+    def rows_requests(
+        self, spark: SparkSession, requested: Sequence[tuple[str, object | None]]
+    ) -> list[tuple[TableT, RowFilter | None]]: ...
+
+    def snapshot_rows(
+        self, spark: SparkSession, table: TableT, row_filter: RowFilter | None, run_id: str
+    ) -> SnapshotReport: ...

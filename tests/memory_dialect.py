@@ -17,6 +17,9 @@ pipeline's questions the way a real source would (``cdc_assets.dialect.SourceDia
   source that only forgets what was acknowledged (``acknowledge``), as a replication slot does;
 - the consistency check's source half (``MemoryCheckSession``): counts and MD5-based row digests over a copy of
   the table taken at the check's first read, computed alike over the mirror on Spark;
+- an ad-hoc snapshot of chosen rows reads the rows a Python predicate of the filter keeps (``matches``: SQL's
+  rules, a NULL matches no comparison), calling ``database.during_read`` once after the read; ``row_filter`` refuses
+  a value that is not of its column's Arrow type;
 - no unchanged values, no truncates, no added columns, no partitions: what this source lacks, the pipeline must not
   need.
 """
@@ -39,7 +42,8 @@ from pyspark.sql import types as T
 
 from cdc_assets.dialect import ChangeBatch, Offset, OffsetError, TableChanges
 from cdc_assets.engine.chunks import Chunk, ChunkPlan, chunks_from_boundaries
-from cdc_assets.engine.windows import FILL_CHUNK
+from cdc_assets.engine.row_filter import FilterTerm, RowFilter, RowFilterError, parse_row_filter
+from cdc_assets.engine.windows import FILL_CHUNK, ROWS_CHUNK
 from cdc_assets.lake import staging
 from cdc_assets.lake.digest import mirror_digest, mirror_part, text_digest, text_part
 from cdc_assets.lake.schema import UNREPRESENTABLE_COLUMN, UNREPRESENTABLE_TYPE, spark_fields
@@ -168,6 +172,32 @@ def _arrow_rows(table: MemoryTable, rows: Sequence[Row]) -> pa.Table:
     return pa.table(columns, schema=table.arrow_schema)
 
 
+def _term_matches(term: FilterTerm, value: Any) -> bool:
+    if term.op == "is null":
+        return value is None
+    if term.op == "is not null":
+        return value is not None
+    if value is None:  # SQL: a NULL matches no comparison
+        return False
+    if term.op == "between":
+        low, high = term.value  # type: ignore[misc]
+        return low <= value <= high
+    if term.op == "in":
+        return value in term.value  # type: ignore[operator]
+    if term.op == "not in":
+        return value not in term.value  # type: ignore[operator]
+    compare: dict[str, Callable[[Any, Any], bool]] = {
+        "=": lambda a, b: a == b, "!=": lambda a, b: a != b, "<": lambda a, b: a < b, "<=": lambda a, b: a <= b,
+        ">": lambda a, b: a > b, ">=": lambda a, b: a >= b,
+    }  # fmt: skip
+    return compare[term.op](value, term.value)
+
+
+def matches(row_filter: RowFilter | None, row: Row) -> bool:
+    """Whether ``row`` satisfies every term of ``row_filter`` (every row for None)."""
+    return row_filter is None or all(_term_matches(t, row[t.column]) for t in row_filter.terms)
+
+
 class MemoryWindow:
     def __init__(self, database: MemoryDatabase) -> None:
         self.database = database
@@ -197,6 +227,16 @@ class MemoryWindow:
         rows = self.database.snapshot(table.qualified_name)
         found = [rows[tuple(k)] for k in keys if tuple(k) in rows]
         return staging.write_part(staging_path, attempt, FILL_CHUNK, 0, [_arrow_rows(table, found)], table.arrow_schema)
+
+    def stage_rows_matching(
+        self, table: MemoryTable, row_filter: RowFilter | None, staging_path: str, attempt: str
+    ) -> int:
+        rows = [r for _, r in sorted(self.database.snapshot(table.qualified_name).items()) if matches(row_filter, r)]
+        schema = table.arrow_schema
+        staged = staging.write_part(staging_path, attempt, ROWS_CHUNK, 0, [_arrow_rows(table, rows)], schema)
+        if self.database.during_read is not None:
+            self.database.during_read(table.qualified_name, ROWS_CHUNK)
+        return staged
 
 
 def _text(value: Any) -> str | None:
@@ -278,6 +318,20 @@ class MemoryDialect:
         keys = sorted(self.database.snapshot(table.qualified_name))
         boundaries = [tuple(str(part) for part in key) for key in keys[self.chunk_size :: self.chunk_size]]
         return ChunkPlan(table.qualified_name, table.key_columns, chunks_from_boundaries(boundaries))
+
+    def row_filter(self, table: MemoryTable, raw: object) -> RowFilter:
+        row_filter = parse_row_filter(raw, table.qualified_name, table.schema.names)
+        for n, term in enumerate(row_filter.terms, 1):
+            values = term.value if isinstance(term.value, tuple) else () if term.value is None else (term.value,)
+            for value in values:
+                try:
+                    pa.scalar(value, table.schema.field(term.column).type)
+                except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError) as error:
+                    raise RowFilterError(
+                        f"table {table.qualified_name}: filter term {n}: value {value!r} is not of column "
+                        f"{term.column}'s type {table.schema.field(term.column).type}: {error}"
+                    ) from None
+        return row_filter
 
     @contextmanager
     def window(self) -> Iterator[MemoryWindow]:

@@ -19,6 +19,13 @@ Contract:
   mirror rows hold unknown values (``cdc_assets.lake.mirror``), inside a watermark window of its own. It is open,
   superseded and closed like a chunk's (one per table at a time), and reconciled by the same rule, without a key
   range.
+- A window of chunk ``ROWS_CHUNK`` (-2) is a **rows window** of its table: an ad-hoc snapshot of the rows matching a
+  filter (``cdc_assets.engine.row_filter``; the ``<source>_snapshot_rows`` job), read inside a watermark window of
+  its own and reconciled like a fill window (by key, without a key range: nothing deleted). Its own chunk number, so
+  a fill window and a rows window of a table never supersede each other; one per table at a time (a new one would
+  supersede a waiting one, so the job refuses to start one while another waits: ``waiting_rows_windows``).
+  ``by_key(chunk)``: the window read rows by key or by filter (a fill or a rows window), not a chunk's key range;
+  such windows are not partitions of the table's asset.
 - ``closable(windows, applied_lsn)``: the open windows whose ``hw`` the stream has passed (``hw <= applied_lsn``):
   every transaction visible to their reads is in the lake, so they can be reconciled.
 - Re-snapshots after lost history (``SourceLake.mark_resnapshot``: every chunk of a table read again in windows whose
@@ -37,6 +44,7 @@ from datetime import datetime
 
 STAGED = "staged"
 FILL_CHUNK = -1
+ROWS_CHUNK = -2
 RECONCILED = "reconciled"
 
 
@@ -75,6 +83,18 @@ def open_windows(events: Iterable[WindowEvent]) -> list[ChunkWindow]:
         (w for w in latest.values() if f"{w.attempt}@{w.table}@{w.chunk}" not in reconciled),
         key=lambda w: (w.table, w.chunk),
     )
+
+
+def by_key(chunk: int) -> bool:
+    return chunk < 0
+
+
+def waiting_rows_windows(events: Iterable[WindowEvent], since: Mapping[str, int]) -> dict[str, ChunkWindow]:
+    """Per table, its rows window that waits for the stream (open and not read before a re-snapshot marker's
+    position ``since``: such a window is never applied, and waits for nothing)."""
+    pending = [w for w in open_windows(events) if w.chunk == ROWS_CHUNK]
+    stale = set(read_before(pending, since))
+    return {w.table: w for w in pending if w not in stale}
 
 
 def closable(windows: Iterable[ChunkWindow], applied_lsn: int) -> list[ChunkWindow]:

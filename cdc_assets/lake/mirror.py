@@ -62,6 +62,10 @@ Contract:
   no change replaced the row at K between that row's position and the read: K can have moved on and been reused by
   another row. That is known only once the stream has passed the read; a fill that wrote what it read at once gave
   a moved row the value of the row that reused its key (a later key change carried it on: issue 24).
+- **Rows windows** (chunk ``ROWS_CHUNK``): an ad-hoc snapshot of the rows matching a filter, reconciled exactly as a
+  fill window (nothing deleted, nothing appended; a matching row the mirror lacks is inserted). By-key windows (fill
+  and rows windows) can hold the same key, so each is reconciled in a MERGE of its own, oldest high watermark first
+  (the position guard keeps the newest row either way).
 """
 
 from __future__ import annotations
@@ -79,7 +83,7 @@ from pyspark.sql.window import Window
 
 from cdc_assets.engine.chunks import Chunk, chunk_partition_key
 from cdc_assets.engine.key_chains import chain_roots
-from cdc_assets.engine.windows import FILL_CHUNK, ChunkWindow
+from cdc_assets.engine.windows import FILL_CHUNK, ROWS_CHUNK, ChunkWindow, by_key
 from cdc_assets.lake import staging
 from cdc_assets.lake.column_mapping import MODE as MAPPING_MODE
 from cdc_assets.lake.column_mapping import column_mapping_properties, enable_column_mapping, refused_names
@@ -541,6 +545,12 @@ def check_staged_rows(staging_path: str, windows: Sequence[ChunkWindow]) -> None
                 f"table {w.table}: fill window {w.attempt} recorded {w.rows} staged rows but staging holds {found}: "
                 "its staged rows were deleted; nothing was written"
             )
+        if found != w.rows and w.chunk == ROWS_CHUNK:
+            raise StagedRowsMismatch(
+                f"table {w.table}: ad-hoc snapshot of rows {w.attempt} recorded {w.rows} staged rows but staging "
+                f"holds {found}: its staged rows were deleted; nothing was written. Run the snapshot_rows job again: "
+                "the new attempt supersedes this one"
+            )
         if found != w.rows:
             raise StagedRowsMismatch(
                 f"table {w.table}: chunk {w.chunk}: attempt {w.attempt} recorded {w.rows} staged rows but staging "
@@ -560,16 +570,18 @@ def reconcile(
     chunks: dict[int, Chunk],
     rule: SettledRule,
 ) -> list[ReconcileResult]:
-    """Reconcile the closable ``windows`` of one table (see module docstring): its chunk windows in one MERGE, its
-    fill window (``FILL_CHUNK``) in another."""
-    fills = [w for w in windows if w.chunk == FILL_CHUNK]
+    """Reconcile the closable ``windows`` of one table (see module docstring): its chunk windows in one MERGE, then
+    each by-key window (a fill window, ``FILL_CHUNK``; a rows window, ``ROWS_CHUNK``) in one of its own, oldest high
+    watermark first: two by-key windows can hold the same key, and a MERGE takes one source row per target row."""
     results = _reconcile_windows(
         spark, mirror_path, changelog_path, staging_path, fields, key_columns,
-        [w for w in windows if w.chunk != FILL_CHUNK], chunks, rule,
+        [w for w in windows if not by_key(w.chunk)], chunks, rule,
     )  # fmt: skip
-    return results + _reconcile_windows(
-        spark, mirror_path, changelog_path, staging_path, fields, key_columns, fills, chunks, rule
-    )
+    for window in sorted((w for w in windows if by_key(w.chunk)), key=lambda w: (w.hw, w.at, w.chunk)):
+        results += _reconcile_windows(
+            spark, mirror_path, changelog_path, staging_path, fields, key_columns, [window], chunks, rule
+        )
+    return results
 
 
 def _reconcile_windows(
@@ -583,11 +595,13 @@ def _reconcile_windows(
     chunks: dict[int, Chunk],
     rule: SettledRule,
 ) -> list[ReconcileResult]:
-    """Chunk windows only, or fill windows only: a fill window read rows by key, not a key range, so it has no rows
-    to delete, no range to prune the MERGE's target by, and is never appended."""
+    """Chunk windows only, or one by-key window (fill or rows window): it read rows by key or by filter, not a key
+    range, so it has no rows to delete, no range to prune the MERGE's target by, and is never appended."""
     if not windows:
         return []
-    by_key = windows[0].chunk == FILL_CHUNK
+    read_by_key = by_key(windows[0].chunk)
+    if read_by_key and len(windows) > 1:
+        raise ValueError("by-key windows are reconciled one at a time (they can hold the same key)")
     check_staged_rows(staging_path, windows)
     staged_frame = staging.read_staged(spark, staging_path, (w.attempt for w in windows), fields)
     # a column the read had but the caller's description lacks (added since the stream run described the table)
@@ -681,16 +695,16 @@ def _reconcile_windows(
     in_range = F.lit(None).cast("int")
     any_range = F.lit(False)
     for w in reversed(windows):
-        if w.attempt in truncated or by_key:
+        if w.attempt in truncated or read_by_key:
             continue
         condition = _range_condition(chunks[w.chunk], key_columns, key_types)
         in_range = F.when(condition, F.lit(w.chunk)).otherwise(in_range)
         any_range = any_range | condition
     # the same ranges over the MERGE target: Delta prunes the mirror's files by their key statistics, so a chunk's
     # reconciliation reads the files that can hold its range instead of the whole mirror
-    target_in_ranges = F.lit(by_key)
+    target_in_ranges = F.lit(read_by_key)
     for w in windows:
-        if w.attempt not in truncated and not by_key:
+        if w.attempt not in truncated and not read_by_key:
             target_in_ranges = target_in_ranges | _range_condition(chunks[w.chunk], key_columns, key_types, "t")
     existing = mirror.toDF().where(any_range)
     existing = existing.select(*[F.col(q(k)) for k in key_columns], in_range.alias("_w_chunk"))
@@ -733,7 +747,7 @@ def _reconcile_windows(
                     counts[(w.chunk, "u")] = counts.get((w.chunk, "u"), 0) + w.rows
             if occupied:
                 counts |= {(r["_w_chunk"], "d"): r["count"] for r in vanished.groupBy("_w_chunk").count().collect()}
-        empty = [] if by_key else sorted({w.chunk for w in windows if w.attempt not in truncated} - occupied)
+        empty = [] if read_by_key else sorted({w.chunk for w in windows if w.attempt not in truncated} - occupied)
         if empty and any(counts.get((c, "u"), 0) for c in empty):
             mirror_fields = mirror.toDF().schema.fields
             appended = source.where(F.col("_w_chunk").isin(empty) & (F.col("_kind") == "u"))

@@ -13,7 +13,9 @@ Contract:
   in the future or before the window. Which chunks are read in each mode is the planner sensor's business.
 - ``window()``: a session whose low watermark is the current position (``client.current_position``) with its
   decimal text, and whose high watermark is the current position after the reads. Chunk reads run in Spark tasks
-  (``snapshot.chunk_stager``, one per chunk), each staging one file; a fill window reads by key in the driver.
+  (``snapshot.chunk_stager``, one per chunk), each staging one file; a fill window reads by key in the driver; a
+  rows window (an ad-hoc snapshot of chosen rows) reads in the driver with the filter's query document
+  (``filter_query.query_document``: ``row_filter`` validates field paths and typed values; no server round trip).
 - ``read_batch`` is ``stream.read_batch`` from the recorded offset's position + 1 (no offset: the stored start + 1),
   spilled as it is read (one Parquet file per collection). The offset has Debezium's MongoDB fields ``sec`` and
   ``ord`` (the applied position's cluster time: every event at or before it is applied) and ``resume_token`` (the
@@ -59,12 +61,13 @@ from pymongo.errors import PyMongoError
 from cdc_assets.config import MongoConnection, MongoOptions, SourceConfig
 from cdc_assets.dialect import ChangeBatch, Offset, OffsetError, TableChanges
 from cdc_assets.engine.chunks import Chunk, ChunkPlan
-from cdc_assets.engine.windows import FILL_CHUNK
+from cdc_assets.engine.row_filter import RowFilter, parse_row_filter
+from cdc_assets.engine.windows import FILL_CHUNK, ROWS_CHUNK
 from cdc_assets.lake import staging
 from cdc_assets.lake.layout import SourceLake
 from cdc_assets.lake.schema import spark_fields
 from cdc_assets.source import CapturedTablesChanged, PermanentBatchError, SourceError, SourceLag
-from cdc_assets.sources.mongodb import catalog, history, snapshot, stream
+from cdc_assets.sources.mongodb import catalog, filter_query, history, snapshot, stream
 from cdc_assets.sources.mongodb import client as clients
 from cdc_assets.sources.mongodb.catalog import ARROW_SCHEMA, COLUMNS, CapturedCollection, SkippedCollection
 from cdc_assets.sources.mongodb.consistency import MongoCheckSession
@@ -152,6 +155,20 @@ class MongoWindow:
                 dialect.client, table, keys, self.low, dialect.capabilities.cluster_time, batch_size
             )
             return staging.write_part(staging_path, attempt, FILL_CHUNK, 0, parts, ARROW_SCHEMA)
+
+        return snapshot.read_whole(stage)
+
+    def stage_rows_matching(
+        self, table: CapturedCollection, row_filter: RowFilter | None, staging_path: str, attempt: str
+    ) -> int:
+        dialect = self.dialect
+        query = filter_query.query_document(row_filter)
+
+        def stage(batch_size: int) -> int:
+            parts = snapshot.read_chunk(
+                dialect.client, table, None, None, self.low, dialect.capabilities.cluster_time, batch_size, query
+            )
+            return staging.write_part(staging_path, attempt, ROWS_CHUNK, 0, parts, ARROW_SCHEMA)
 
         return snapshot.read_whole(stage)
 
@@ -321,6 +338,13 @@ class MongoDialect:
             f"planning chunks of {table.qualified_name}",
             lambda: snapshot.plan_chunks(self.client, table, self._chunk_size(table)),
         )
+
+    def row_filter(self, table: CapturedCollection, raw: object) -> RowFilter:
+        """Field paths of documents (no fixed columns); the query document is built once to refuse a typed value
+        that decodes to no allowed BSON scalar."""
+        row_filter = parse_row_filter(raw, table.qualified_name, None)
+        filter_query.query_document(row_filter)
+        return row_filter
 
     def _chunk_size(self, table: CapturedCollection) -> int:
         for configured in self.source.tables:

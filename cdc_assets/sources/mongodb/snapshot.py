@@ -27,7 +27,7 @@ Contract:
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
 import pyarrow as pa
@@ -113,8 +113,10 @@ def read_whole(read: Callable[[int], Read]) -> Read:
 
 def read_chunk(
     client: pymongo.MongoClient, table: CapturedCollection, lo: str | None, hi: str | None, low_watermark: int,
-    cluster_time: bool, batch_size: int = BATCH_ROWS,
+    cluster_time: bool, batch_size: int = BATCH_ROWS, query: Mapping[str, Any] | None = None,
 ) -> Iterator[pa.Table]:  # fmt: skip
+    """``query``: a ``find`` filter of an ad-hoc snapshot (``filter_query.query_document``), applied by the server;
+    none for a chunk (every document, kept by its key)."""
     collection = client[table.database][table.collection]
     session = client.start_session(causal_consistency=True) if cluster_time else None
     try:
@@ -122,7 +124,7 @@ def read_chunk(
             session.advance_operation_time(timestamp_of(low_watermark))
         rows: list[dict[str, Any]] = []
         size = 0
-        for document in collection.find({}, session=session, batch_size=batch_size):
+        for document in collection.find(dict(query or {}), session=session, batch_size=batch_size):
             row = document_row(document)
             if in_range(row["_id_key"], lo, hi):
                 rows.append(row)

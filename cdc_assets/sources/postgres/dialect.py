@@ -10,7 +10,12 @@ Contract:
   writes its rows as a staged Parquet file), with the columns the table has after the low watermark (a column added
   after the run described the table and set by a transaction settled at the low watermark is in the rows the reads
   see; else staged without it and reconciled as NULL over the stream's value: a lost update). A fill window reads
-  rows by key in the driver, 1,000 keys per statement.
+  rows by key in the driver, 1,000 keys per statement; an ad-hoc snapshot of chosen rows (a rows window) reads the
+  rows matching its filter with one ``COPY`` in the driver (``snapshot.rows_matching_select``).
+- ``row_filter(table, raw)``: the filter validated against the table's columns, composed
+  (``snapshot.filter_condition``) and tried once with ``limit 0`` (no row is read): a value that does not cast to
+  its column's type, or a comparison the type lacks (``json = json``), raises ``RowFilterError`` with PostgreSQL's
+  words, before any window opens.
 - ``read_batch`` first moves the slot up to a recorded offset it has not followed yet (the offset was recorded, so
   its changes are applied; ``change_offset`` records one too), then peeks one bounded batch
   (``cdc_assets.sources.postgres.stream``). The offset has Debezium's PostgreSQL fields: ``lsn`` (every transaction
@@ -36,11 +41,13 @@ from typing import TYPE_CHECKING
 import psycopg
 import pyarrow as pa
 import pyarrow.parquet as pq
+from psycopg import sql
 
 from cdc_assets.config import PostgresConnection, SourceConfig
 from cdc_assets.dialect import ChangeBatch, Offset, OffsetError, TableChanges
 from cdc_assets.engine.chunks import Chunk, ChunkPlan
-from cdc_assets.engine.windows import FILL_CHUNK
+from cdc_assets.engine.row_filter import RowFilter, RowFilterError, parse_row_filter
+from cdc_assets.engine.windows import FILL_CHUNK, ROWS_CHUNK
 from cdc_assets.lake import staging
 from cdc_assets.source import PermanentBatchError, SourceLag
 from cdc_assets.sources.postgres import catalog, snapshot, stream
@@ -140,6 +147,14 @@ class PostgresWindow(snapshot.PostgresWatermarks):
         )
         return staging.write_part(staging_path, attempt, FILL_CHUNK, 0, parts, arrow_schema(columns))
 
+    def stage_rows_matching(
+        self, table: CapturedTable, row_filter: RowFilter | None, staging_path: str, attempt: str
+    ) -> int:
+        readable = catalog.with_current_columns(self.conn, table)
+        columns = list(readable.columns)
+        parts = copy_query_to_arrow(self.conn, snapshot.rows_matching_select(readable, row_filter), columns)
+        return staging.write_part(staging_path, attempt, ROWS_CHUNK, 0, parts, arrow_schema(columns))
+
 
 def _changes_reader(parts: list[Path], transactions: Path):
     """The changelog rows of a table's spill parts: each change joined with its transaction (position, xid, time)."""
@@ -177,6 +192,21 @@ class PostgresDialect:
     def plan_chunks(self, table: CapturedTable) -> ChunkPlan:
         with self.connect() as conn:
             return snapshot.plan_chunks(conn, table)
+
+    def row_filter(self, table: CapturedTable, raw: object) -> RowFilter:
+        row_filter = parse_row_filter(raw, table.qualified_name, [c.name for c in table.columns])
+        condition = snapshot.filter_condition(table, row_filter)
+        with self.connect() as conn:
+            try:
+                conn.execute(sql.SQL("select 1 from {} where {} limit 0").format(table.identifier, condition))
+            except psycopg.Error as error:
+                said = error.diag.message_primary or str(error).strip().splitlines()[0]
+                raise RowFilterError(
+                    f"source {self.source.name!r}: table {table.qualified_name}: filter {row_filter.describe()}: "
+                    f"PostgreSQL refuses it: {said} (each value is cast to its column's type; the operators are the "
+                    "type's own)"
+                ) from None
+        return row_filter
 
     @contextmanager
     def window(self) -> Iterator[PostgresWindow]:

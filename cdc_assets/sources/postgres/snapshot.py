@@ -9,6 +9,13 @@ Contract:
 - ``chunk_select`` is the SELECT of one chunk (or a sub-range of it) for ``COPY (...) TO STDOUT``: all columns,
   ``lo <= key < hi`` as a row comparison, bound values cast to the key column types. For text keys whose collation
   is not byte-ordered the comparisons use ``COLLATE "C"``, so that PostgreSQL and Spark agree on chunk membership.
+- ``filter_condition(table, row_filter)`` is the WHERE condition of an ad-hoc snapshot's ``RowFilter``
+  (``cdc_assets.engine.row_filter``), composed by psycopg: each column an ``Identifier`` of a column the table has,
+  each operator from a fixed map of the allowed ones, each value a ``Literal`` (quoted and escaped by psycopg) cast to
+  its column's declared type, so ``"1; drop table t"`` is a string the cast refuses, never SQL. ``COPY`` takes no
+  server-side parameters, hence literals composed client-side. A typed value (``{"$oid": ...}``) or a column the
+  table no longer has raises ``RowFilterError``. ``rows_matching_select`` is the SELECT of every column of the rows
+  matching it (every row for ``None``).
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ from cdc_assets.engine.chunks import (
     chunks_from_boundaries,
     plan_even_integer_chunks,
 )
+from cdc_assets.engine.row_filter import NO_VALUE_OPERATORS, FilterTerm, RowFilter, RowFilterError
 from cdc_assets.sources.postgres.catalog import CapturedTable
 from cdc_assets.sources.postgres.lsn import parse_lsn
 from cdc_assets.sources.postgres.watermark import LowWatermark
@@ -198,3 +206,61 @@ def rows_by_key_select(table: CapturedTable, keys: list[tuple]) -> sql.Composabl
     )
     columns = sql.SQL(", ").join(sql.Identifier(c.name) for c in table.columns)
     return sql.SQL("select {} from {} where {} in ({})").format(columns, table.identifier, key, values)
+
+
+SQL_OPERATORS = {"=": "=", "!=": "<>", "<": "<", "<=": "<=", ">": ">", ">=": ">=", "in": "in", "not in": "not in",
+                 "between": "between", "is null": "is null", "is not null": "is not null"}  # fmt: skip
+
+
+def _value_text(value: object, where: str) -> str:
+    """A filter value as the text PostgreSQL casts to the column's type."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | str):
+        return str(value)
+    if isinstance(value, float):
+        return repr(value)
+    raise RowFilterError(
+        f"{where}: {value!r} is a typed value (MongoDB extended JSON); a PostgreSQL filter value is a string, a "
+        "number or a boolean, cast to the column's type"
+    )
+
+
+def _term_condition(table: CapturedTable, term: FilterTerm, where: str) -> sql.Composable:
+    columns = {c.name: c for c in table.columns}
+    column = columns.get(term.column)
+    if column is None:
+        raise RowFilterError(
+            f"{where}: column {term.column!r} is not a column of the table (now); one of {', '.join(columns)}"
+        )
+    identifier = sql.Identifier(column.name)
+    operator = sql.SQL(SQL_OPERATORS[term.op])
+    if term.op in NO_VALUE_OPERATORS:
+        return sql.SQL("{} {}").format(identifier, operator)
+
+    def literal(value: object, label: str) -> sql.Composable:
+        text = _value_text(value, f"{where}: {label}")
+        return sql.SQL("cast({} as {})").format(sql.Literal(text), sql.SQL(column.type_name))
+
+    if isinstance(term.value, tuple):
+        values = [literal(v, f"value {n}") for n, v in enumerate(term.value, 1)]
+        if term.op == "between":
+            return sql.SQL("{} between {} and {}").format(identifier, values[0], values[1])
+        return sql.SQL("{} {} ({})").format(identifier, operator, sql.SQL(", ").join(values))
+    return sql.SQL("{} {} {}").format(identifier, operator, literal(term.value, "value"))
+
+
+def filter_condition(table: CapturedTable, row_filter: RowFilter | None) -> sql.Composable:
+    if row_filter is None:
+        return sql.SQL("true")
+    where = f"table {table.qualified_name}: filter"
+    return sql.SQL(" and ").join(
+        sql.SQL("({})").format(_term_condition(table, term, f"{where} term {n}"))
+        for n, term in enumerate(row_filter.terms, 1)
+    )
+
+
+def rows_matching_select(table: CapturedTable, row_filter: RowFilter | None) -> sql.Composable:
+    """SELECT of all columns of the rows matching ``row_filter`` (every row for None)."""
+    columns = sql.SQL(", ").join(sql.Identifier(c.name) for c in table.columns)
+    return sql.SQL("select {} from {} where {}").format(columns, table.identifier, filter_condition(table, row_filter))
