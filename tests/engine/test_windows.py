@@ -9,15 +9,18 @@ import pytest
 from cdc_assets.engine.windows import (
     FILL_CHUNK,
     RECONCILED,
+    ROWS_CHUNK,
     STAGED,
     ChunkWindow,
     WindowEvent,
+    by_key,
     closable,
     finished_attempts,
     open_windows,
     read_before,
     resnapshot_done,
     unrecorded_attempts,
+    waiting_rows_windows,
 )
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
@@ -130,3 +133,22 @@ def test_a_resnapshot_is_done_once_every_chunk_was_reconciled_from_a_read_after_
     assert resnapshot_done(both, "public.t", [0, 1], 100)
     assert not resnapshot_done(both, "public.t", [0, 1], 121)  # read before a newer restart
     assert not resnapshot_done(both, "public.u", [0], 100)
+
+
+def test_a_rows_window_and_a_fill_window_of_a_table_never_supersede_each_other() -> None:
+    fill, rows = window(FILL_CHUNK, "fill-1", 700), window(ROWS_CHUNK, "rows-1", 650, minutes=1)
+    newer_rows = window(ROWS_CHUNK, "rows-2", 800, minutes=2)
+    events = [WindowEvent(STAGED, fill), WindowEvent(STAGED, rows)]
+    assert open_windows(events) == [rows, fill]  # sorted by chunk: -2 before -1
+    assert open_windows([*events, WindowEvent(STAGED, newer_rows)]) == [newer_rows, fill]
+    assert open_windows([*events, WindowEvent(RECONCILED, rows)]) == [fill]
+    assert [by_key(c) for c in (ROWS_CHUNK, FILL_CHUNK, 0, 7)] == [True, True, False, False]
+
+
+def test_a_waiting_rows_window_is_open_and_not_read_before_a_resnapshot_marker() -> None:
+    rows, other = window(ROWS_CHUNK, "rows-1", 650), window(ROWS_CHUNK, "rows-2", 660, table="public.u")
+    events = [WindowEvent(STAGED, rows), WindowEvent(STAGED, other), WindowEvent(STAGED, window(0, "run1", 500))]
+    assert waiting_rows_windows(events, {}) == {"public.t": rows, "public.u": other}
+    assert waiting_rows_windows([*events, WindowEvent(RECONCILED, rows)], {}) == {"public.u": other}
+    # read before the stream restarted after lost history (lw_lsn 10 < 11): never applied, so it waits for nothing
+    assert waiting_rows_windows(events, {"public.u": 11}) == {"public.t": rows}
