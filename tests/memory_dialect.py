@@ -18,8 +18,8 @@ pipeline's questions the way a real source would (``cdc_assets.dialect.SourceDia
 - the consistency check's source half (``MemoryCheckSession``): counts and MD5-based row digests over a copy of
   the table taken at the check's first read, computed alike over the mirror on Spark;
 - an ad-hoc snapshot of chosen rows reads the rows a Python predicate of the filter keeps (``matches``: SQL's
-  rules, a NULL matches no comparison), calling ``database.during_read`` once after the read; ``row_filter`` refuses
-  a value that is not of its column's Arrow type;
+  rules, a NULL matches no comparison), calling ``database.during_read`` before and after the read; ``row_filter``
+  refuses a value that is not of its column's Arrow type;
 - no unchanged values, no truncates, no added columns, no partitions: what this source lacks, the pipeline must not
   need.
 """
@@ -231,10 +231,12 @@ class MemoryWindow:
     def stage_rows_matching(
         self, table: MemoryTable, row_filter: RowFilter | None, staging_path: str, attempt: str
     ) -> int:
+        if self.database.during_read is not None:  # changes after the low watermark, seen by the read
+            self.database.during_read(table.qualified_name, ROWS_CHUNK)
         rows = [r for _, r in sorted(self.database.snapshot(table.qualified_name).items()) if matches(row_filter, r)]
         schema = table.arrow_schema
         staged = staging.write_part(staging_path, attempt, ROWS_CHUNK, 0, [_arrow_rows(table, rows)], schema)
-        if self.database.during_read is not None:
+        if self.database.during_read is not None:  # changes after the read, before the high watermark
             self.database.during_read(table.qualified_name, ROWS_CHUNK)
         return staged
 
