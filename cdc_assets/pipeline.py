@@ -33,12 +33,13 @@ differs (``cdc_assets.dialect.SourceDialect``); everything below is the same for
   has that marker, no window of it whose reads started before the marker's position is applied
   (``engine.windows.read_before``), and the marker is removed once every chunk of the table has a reconciled window
   read after it; its consistency checks are inconclusive until then.
-- ``rows_requests(spark, requested)`` and ``snapshot_rows(spark, table, row_filter, run_id)``: an ad-hoc snapshot of
-  chosen rows (the ``<source>_snapshot_rows`` job). ``rows_requests`` validates every requested table and filter
-  before anything is read (the table is captured and named once; the dialect's ``row_filter``; no rows window of
-  the table waits for the stream, as a new one would supersede it and its rows would never be applied) and raises
-  ``SnapshotRowsRefused`` (``RowFilterError`` for a filter) naming the table, the field and the allowed values:
-  nothing is read, staged or recorded then. ``snapshot_rows`` reads the matching rows inside a watermark window of
+- ``rows_requests(requested)``, ``refuse_waiting_rows(spark, names)`` and ``snapshot_rows(spark, table, row_filter,
+  run_id)``: an ad-hoc snapshot of chosen rows (the ``<source>_snapshot_rows`` job). ``rows_requests`` validates
+  every requested table and filter before anything is read, without Spark (the table is captured and named once;
+  the dialect's ``row_filter``), ``refuse_waiting_rows`` that no rows window of those tables waits for the stream (a
+  new one would supersede it and its rows would never be applied); both raise ``SnapshotRowsRefused``
+  (``RowFilterError`` for a filter) naming the table, the field and the allowed values: nothing is read, staged or
+  recorded then. ``snapshot_rows`` reads the matching rows inside a watermark window of
   their own (``run_window``: low watermark, the dialect's ``stage_rows_matching``, high watermark, window log record
   as chunk ``ROWS_CHUNK``, waiting marker); nothing is written to the mirror there. The stream reconciles the
   window once it has passed the high watermark, like a fill window: the settled rows are upserted, nothing is
@@ -264,11 +265,10 @@ class CdcPipeline(Generic[TableT]):
         )
 
     # -- ad-hoc snapshot of chosen rows ----------------------------------------------------------------------
-    def rows_requests(
-        self, spark: SparkSession, requested: Sequence[tuple[str, object | None]]
-    ) -> list[tuple[TableT, RowFilter | None]]:
+    def rows_requests(self, requested: Sequence[tuple[str, object | None]]) -> list[tuple[TableT, RowFilter | None]]:
         """Every requested (table name, raw filter or None: every row) validated, before anything is read (module
-        docstring); raises ``SnapshotRowsRefused``."""
+        docstring; the waiting rows windows are ``refuse_waiting_rows``'s, which needs Spark); raises
+        ``SnapshotRowsRefused``."""
         if not requested:
             raise SnapshotRowsRefused(f"source {self.source.name!r}: tables: name at least one table")
         names = [name for name, _ in requested]
@@ -288,10 +288,14 @@ class CdcPipeline(Generic[TableT]):
                     f"{', '.join(sorted(tables)) or 'none'}"
                 )
             validated.append((table, None if raw is None else self.dialect.row_filter(table, raw)))
-        waiting = self.waiting_rows_windows(spark)
-        for table, _ in validated:
-            self._refuse_when_waiting(waiting, table.qualified_name)
         return validated
+
+    def refuse_waiting_rows(self, spark: SparkSession, names: Sequence[str]) -> None:
+        """Raise ``SnapshotRowsRefused`` when a rows window of one of ``names`` waits for the stream (a new one would
+        supersede it: its rows would never be applied)."""
+        waiting = self.waiting_rows_windows(spark)
+        for name in names:
+            self._refuse_when_waiting(waiting, name)
 
     def waiting_rows_windows(self, spark: SparkSession) -> dict[str, ChunkWindow]:
         """Per table, its rows window that waits for the stream (``engine.windows.waiting_rows_windows``)."""

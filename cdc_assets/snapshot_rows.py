@@ -70,8 +70,9 @@ def build_snapshot_rows_job(source: SourceConfig) -> JobDefinition:
     def stage_rows(context: OpExecutionContext, config: SnapshotRowsConfig) -> None:
         cdc = context.resources.cdc
         pipeline = cdc.pipeline(source_name)
+        requests = pipeline.rows_requests(requested_filters(config))  # raises before anything is read (no Spark)
         spark = cdc.spark()
-        requests = pipeline.rows_requests(spark, requested_filters(config))  # raises before anything is read
+        pipeline.refuse_waiting_rows(spark, [table.qualified_name for table, _ in requests])
         for table, row_filter in requests:
             name = table.qualified_name
             described = "every row" if row_filter is None else row_filter.describe()

@@ -33,9 +33,10 @@ engine (chunks, watermark windows, reconciliation, offsets) and the lake code ar
 - ``partitions(table)`` names the table's partitions now (PostgreSQL: leaf partitions of a partitioned table; none
   otherwise). Attaching or detaching one changes the table's rows without a change in the log: the planner sensor
   then requests a snapshot of every chunk.
-- ``rows_requests(spark, requested)`` validates an ad-hoc snapshot of chosen rows (tables and filters,
-  ``cdc_assets.engine.row_filter``) before anything is read, and ``snapshot_rows(spark, table, row_filter, run_id)``
-  stages the matching rows in a watermark window of their own; the stream reconciles them (upserts; never deletes).
+- ``rows_requests(requested)`` validates an ad-hoc snapshot of chosen rows (tables and filters,
+  ``cdc_assets.engine.row_filter``) before anything is read, ``refuse_waiting_rows(spark, names)`` refuses one while
+  another of the same table waits for the stream, and ``snapshot_rows(spark, table, row_filter, run_id)`` stages
+  the matching rows in a watermark window of their own; the stream reconciles them (upserts; never deletes).
 - ``check_chunks(spark, table, indexes, wait_seconds)`` compares row count and checksum of chunks, computed at the
   source and over the mirror, at a consistent point (``cdc_assets.consistency``, written once; the source half
   from the dialect).
@@ -218,8 +219,10 @@ class CdcSource(Protocol[TableT]):
     ) -> list[ChunkCheck]: ...
 
     def rows_requests(
-        self, spark: SparkSession, requested: Sequence[tuple[str, object | None]]
+        self, requested: Sequence[tuple[str, object | None]]
     ) -> list[tuple[TableT, RowFilter | None]]: ...
+
+    def refuse_waiting_rows(self, spark: SparkSession, names: Sequence[str]) -> None: ...
 
     def snapshot_rows(
         self, spark: SparkSession, table: TableT, row_filter: RowFilter | None, run_id: str

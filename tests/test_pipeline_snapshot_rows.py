@@ -86,17 +86,17 @@ def test_a_filtered_snapshot_touches_only_matching_rows_under_concurrent_writes(
     # refused before anything is read: an injection attempt in the column, an unknown operator
     events_before = len(window_log.read_events(spark, pipeline.lake.windows))
     with pytest.raises(RowFilterError, match=r"column 'qty = 3 or 1=1' is not a column of the table.*id, name, qty"):
-        pipeline.rows_requests(spark, [(ITEMS.qualified_name, {"column": "qty = 3 or 1=1", "value": 1})])
+        pipeline.rows_requests([(ITEMS.qualified_name, {"column": "qty = 3 or 1=1", "value": 1})])
     with pytest.raises(RowFilterError, match=r"op 'or' is not allowed; allowed: =, !=, <"):
-        pipeline.rows_requests(spark, [(ITEMS.qualified_name, {"column": "qty", "op": "or", "value": 1})])
+        pipeline.rows_requests([(ITEMS.qualified_name, {"column": "qty", "op": "or", "value": 1})])
     with pytest.raises(RowFilterError, match=r"value 'three' is not of column qty's type int64"):
-        pipeline.rows_requests(spark, [(ITEMS.qualified_name, {"column": "qty", "value": "three"})])
+        pipeline.rows_requests([(ITEMS.qualified_name, {"column": "qty", "value": "three"})])
     with pytest.raises(SnapshotRowsRefused, match=r"table 'public.nope' is not captured; captured: .*public.items"):
-        pipeline.rows_requests(spark, [("public.nope", FILTER)])
+        pipeline.rows_requests([("public.nope", FILTER)])
     assert len(window_log.read_events(spark, pipeline.lake.windows)) == events_before
     assert staged_attempts(pipeline) == []
 
-    [(requested, row_filter)] = pipeline.rows_requests(spark, [(ITEMS.qualified_name, FILTER)])
+    [(requested, row_filter)] = pipeline.rows_requests([(ITEMS.qualified_name, FILTER)])
     assert requested == table and row_filter is not None and row_filter.describe() == "qty in (3, 5)"
     database.during_read = during_read
     report = pipeline.snapshot_rows(spark, table, row_filter, "adhoc")
@@ -107,7 +107,7 @@ def test_a_filtered_snapshot_touches_only_matching_rows_under_concurrent_writes(
 
     # a second one while the first waits for the stream would supersede it: refused, nothing recorded
     with pytest.raises(SnapshotRowsRefused, match=rf"attempt {report.attempt}, {report.rows} rows.*waits for the"):
-        pipeline.rows_requests(spark, [(ITEMS.qualified_name, FILTER)])
+        pipeline.refuse_waiting_rows(spark, [ITEMS.qualified_name])
     with pytest.raises(SnapshotRowsRefused, match=r"waits for the stream to pass its high watermark"):
         pipeline.snapshot_rows(spark, table, row_filter, "again")
     assert staged_attempts(pipeline) == [f"{ATTEMPT_FOLDER_PREFIX}{report.attempt}"]
@@ -142,7 +142,8 @@ def test_a_filtered_snapshot_touches_only_matching_rows_under_concurrent_writes(
     }
 
     # the table's waiting rows window is reconciled: the next one may start
-    assert pipeline.rows_requests(spark, [(ITEMS.qualified_name, None)]) == [(table, None)]
+    assert pipeline.rows_requests([(ITEMS.qualified_name, None)]) == [(table, None)]
+    pipeline.refuse_waiting_rows(spark, [ITEMS.qualified_name])
 
 
 def test_a_run_killed_before_its_window_record_leaves_nothing_the_stream_applies(
@@ -152,7 +153,7 @@ def test_a_run_killed_before_its_window_record_leaves_nothing_the_stream_applies
     config, source = config_for(tmp_path / "lake", max_changes=1000)
     pipeline = CdcPipeline(config, source, MemoryDialect(database, chunk_size=40))
     table = pipeline.prepare()[ITEMS.qualified_name]
-    [(_, row_filter)] = pipeline.rows_requests(spark, [(ITEMS.qualified_name, FILTER)])
+    [(_, row_filter)] = pipeline.rows_requests([(ITEMS.qualified_name, FILTER)])
     faults.armed.add("snapshot.before_window_record")
     with pytest.raises(Killed):
         pipeline.snapshot_rows(spark, table, row_filter, "killed")

@@ -82,7 +82,7 @@ def test_definitions_build_with_tables_sensors_and_jobs(config_path) -> None:
     } <= keys
     assert {s.name for s in defs.sensors} == {"defs_stream_sensor", "defs_planner_sensor"}
     tables = ("items", "pairs", "docs")
-    assert {j.name for j in defs.jobs} == {"defs_stream", "defs_change_offset"} | {
+    assert {j.name for j in defs.jobs} == {"defs_stream", "defs_change_offset", "defs_snapshot_rows"} | {
         check_job_name("defs", f"public.{name}") for name in tables
     }
     check_keys = {key for checks in defs.asset_checks for key in checks.check_keys}
@@ -203,15 +203,24 @@ def test_long_lived_stream_run_records_every_batch_then_moves_the_slot(config_pa
     assert {999, 1000, 1001, 1002, 1003, 1004} <= {r[0] for r in mirror.select(mirror.columns[0]).collect()}
 
 
-def test_long_lived_stream_run_steps_aside_for_a_waiting_offset_change(config_path, spark) -> None:
+@pytest.mark.parametrize(
+    ("job_name", "op_name", "config"),
+    [
+        ("defs_change_offset", "defs_record_offset", {"lsn": "0/0", "changed_by": "test", "reason": "waits"}),
+        ("defs_snapshot_rows", "defs_stage_rows",
+         {"tables": [{"table": "public.items"}], "requested_by": "test", "reason": "waits for the pool"}),
+    ],
+)  # fmt: skip
+def test_long_lived_stream_run_steps_aside_for_a_waiting_run_of_the_pool(
+    config_path, spark, job_name: str, op_name: str, config: dict
+) -> None:
     path, _ = config_path
     defs = build_definitions(long_lived_config(path, 600))
     stream_asset = next(a for a in defs.assets if stream_asset_key("defs") in a.keys)
     instance = DagsterInstance.ephemeral()
-    offset = {"lsn": "0/0", "changed_by": "test", "reason": "waits for the pool"}
     instance.create_run_for_job(
-        defs.get_job_def("defs_change_offset"),
-        run_config={"ops": {"defs_record_offset": {"config": offset}}},
+        defs.get_job_def(job_name),
+        run_config={"ops": {op_name: {"config": config}}},
         status=DagsterRunStatus.STARTED,  # started; its op waits for the pool slot
     )
     started = time.monotonic()
