@@ -11,7 +11,8 @@ Contract: ``run_window(spark, lake, table, chunks, attempt, watermarks, read)``:
    chunk marked waiting (``SourceLake.mark_waiting``) for the stream, which reconciles the window once it has
    passed the high watermark. A run killed before step 4 leaves staged rows that no window names: never read, and
    dropped by the upkeep after a day (``cdc_assets.engine.windows.unrecorded_attempts``).
-Returns the recorded windows. Used for a snapshot's chunks and for a fill window (chunk ``FILL_CHUNK``).
+Returns the recorded windows. Used for a snapshot's chunks, a fill window (chunk ``FILL_CHUNK``) and an ad-hoc
+snapshot of chosen rows (chunk ``ROWS_CHUNK``).
 """
 
 from __future__ import annotations
