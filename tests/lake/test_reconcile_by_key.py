@@ -10,17 +10,16 @@ from pathlib import Path
 
 import pyarrow as pa
 import pytest
-from pyspark.sql import types as T
 
 from cdc_assets.engine.chunks import Chunk
 from cdc_assets.engine.windows import FILL_CHUNK, ROWS_CHUNK, ChunkWindow
 from cdc_assets.lake import staging
 from cdc_assets.lake.mirror import reconcile
-from cdc_assets.lake.schema import UNREPRESENTABLE_COLUMN, UNREPRESENTABLE_TYPE
+from cdc_assets.lake.schema import UNREPRESENTABLE_COLUMN, UNREPRESENTABLE_TYPE, spark_fields
 from tests.memory_dialect import MemorySettledRule
 
 SCHEMA = pa.schema([("id", pa.int64()), ("name", pa.string())])
-FIELDS = [T.StructField("id", T.LongType()), T.StructField("name", T.StringType())]
+FIELDS = spark_fields(SCHEMA.append(pa.field(UNREPRESENTABLE_COLUMN, UNREPRESENTABLE_TYPE)))
 AT = datetime(2026, 1, 1, tzinfo=UTC)
 
 
