@@ -56,7 +56,7 @@ def chromium_executable() -> str:
     return path
 
 
-@pytest.fixture(scope="package")
+@pytest.fixture(scope="module")
 def browser(chromium_executable: str) -> Iterator[Browser]:
     expect.set_options(timeout=UI_TIMEOUT_MS)
     with sync_playwright() as playwright:
@@ -86,13 +86,14 @@ def page(browser: Browser, request: pytest.FixtureRequest) -> Iterator[Page]:
             context.close()
 
 
-@pytest.fixture(scope="package")
+@pytest.fixture(scope="module")
 def dagster_ui(
     chromium_executable: str, postgres_server: dict[str, str], tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[DagsterUi]:
     """``dagster dev`` on the demo database, ready once its code location has loaded; stopped with every run it
-    started (they are in its process group) once the browser tests are done. Kept for the whole session, its
-    sensors went on launching stream and snapshot runs beside every later test (a suite 39 minutes long in CI)."""
+    started (they are in its process group) once the browser tests are done (module scope: they are one module;
+    "package" scope is the session's without an ``__init__.py``). Kept for the whole session, its sensors went on
+    launching runs beside every later test (a suite 39 minutes long in CI)."""
     if ARTIFACTS.exists():
         shutil.rmtree(ARTIFACTS)
     ARTIFACTS.mkdir(parents=True)
