@@ -11,8 +11,9 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "cdc_assets"
 SOURCES = "cdc_assets.sources"
 FORBIDDEN_IN_GENERIC = ("psycopg", "pymongo", SOURCES)
-# the Dagster glue opens a source through the registry (``cdc_assets.sources.open_source``), nothing below it
-REGISTRY_USERS = {"cdc_assets.build": {SOURCES}}
+# the Dagster glue and the command line open a source through the registry (``cdc_assets.sources.open_source``),
+# nothing below it
+REGISTRY_USERS = {"cdc_assets.build": {SOURCES}, "cdc_assets.cli": {SOURCES}}
 
 
 def generic(name: str) -> bool:
