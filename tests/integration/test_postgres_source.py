@@ -36,22 +36,26 @@ def admin(postgres_server: dict[str, str]) -> Iterator[psycopg.Connection]:
     for slot in root.execute("select slot_name from pg_replication_slots where database = %s", [DATABASE]):
         root.execute("select pg_drop_replication_slot(%s)", [slot[0]])
     root.execute(sql.SQL("create database {}").format(sql.Identifier(DATABASE)))
-    for role in ("cdc_reader", "cdc_norepl"):
+    for role in ("srctest_reader", "srctest_norepl"):
         root.execute(sql.SQL("drop role if exists {}").format(sql.Identifier(role)))
-    root.execute(sql.SQL("create role cdc_reader login replication password {}").format(sql.Literal(PASSWORD)))
-    root.execute(sql.SQL("create role cdc_norepl login password {}").format(sql.Literal(PASSWORD)))
+    root.execute(sql.SQL("create role srctest_reader login replication password {}").format(sql.Literal(PASSWORD)))
+    root.execute(sql.SQL("create role srctest_norepl login password {}").format(sql.Literal(PASSWORD)))
     conn = psycopg.connect(f"{dsn} dbname={DATABASE}", autocommit=True)
     conn.execute(
         """
         create table ints (id bigint primary key, v text);
         create table pairs (a int, b text, v int, primary key (a, b));
         create table uuids (id uuid primary key, v int);
+        create table lines (order_id bigint, line_no int, v text, primary key (order_id, line_no));
+        create table nums (id numeric primary key, v int);
         create table nokey (x int, y int);
         insert into ints select g, 'v' || g from generate_series(1, 2500) g;
         insert into pairs select g % 7, 'k' || g, g from generate_series(1, 1000) g;
         insert into uuids select md5(g::text)::uuid, g from generate_series(1, 999) g;
-        grant select on all tables in schema public to cdc_reader, cdc_norepl;
-        alter role cdc_reader set default_transaction_read_only = on;
+        insert into lines select o, l, 'l' || o from generate_series(1, 400) o, generate_series(1, 3) l;
+        insert into nums select g * 1.5, g from generate_series(1, 1500) g;
+        grant select on all tables in schema public to srctest_reader, srctest_norepl;
+        alter role srctest_reader set default_transaction_read_only = on;
         create publication admin_pub for table ints, pairs, uuids;
         """
     )
@@ -66,7 +70,7 @@ def admin(postgres_server: dict[str, str]) -> Iterator[psycopg.Connection]:
         root.close()
 
 
-def source_config(user: str = "cdc_reader", **overrides: object) -> SourceConfig:
+def source_config(user: str = "srctest_reader", **overrides: object) -> SourceConfig:
     fields: dict[str, object] = {
         "name": "t",
         "kind": "postgres",
@@ -145,18 +149,28 @@ def test_begin_and_commit_frame_every_change(admin: psycopg.Connection) -> None:
     assert all(isinstance(m, Begin | Commit) or m.begin is not None for m in messages if not hasattr(m, "columns"))
 
 
-@pytest.mark.parametrize("table", ["ints", "pairs", "uuids"])
+@pytest.mark.parametrize("table", ["ints", "pairs", "uuids", "lines", "nums"])
 def test_chunk_plan_covers_every_row_exactly_once(admin: psycopg.Connection, table: str) -> None:
+    """Every row in exactly one chunk; a plan made by scanning the key index (keys other than one integer column:
+    composite, numeric, uuid) cuts a chunk every ``chunk_size`` keys in the key's own order. Ordered by the bounds'
+    text instead (``select id::text ... order by id`` sorts by the output column), 1200 order lines of composite
+    integer keys were cut into 4 chunks of 300, 300, 300 and 300 rows only by luck of the digits; the demo's 600
+    lines with chunks of 30 became 11 chunks, one of 330 rows."""
     config = source_config()
     reader = connect(config.connection, "t")
     captured = describe_table(reader, config, TableConfig("public", table, chunk_size=300))
     plan = plan_chunks(reader, captured)
     assert len(plan.chunks) >= 3
     seen: list[tuple] = []
+    sizes: list[int] = []
     for chunk in plan.chunks:
         key = sql.SQL(", ").join(sql.Identifier(c) for c in captured.key_columns)
         query = sql.SQL("select {} from ({}) c").format(key, chunk_select(captured, chunk.lo, chunk.hi))
-        seen += reader.execute(query).fetchall()
+        rows = reader.execute(query).fetchall()
+        seen += rows
+        sizes.append(len(rows))
+    if table != "ints":  # planned by scanning the key index
+        assert sizes[:-1] == [300] * (len(sizes) - 1) and 0 < sizes[-1] <= 300, sizes
     everything = reader.execute(
         sql.SQL("select {} from {}").format(
             sql.SQL(", ").join(sql.Identifier(c) for c in captured.key_columns), captured.identifier
@@ -204,7 +218,7 @@ def test_a_table_that_cannot_be_captured_is_skipped_by_name_and_the_others_are_c
         create table secret (id int primary key);
         create table meas (id int, at date, v int, primary key (id, at)) partition by range (at);
         create table meas_2025 partition of meas for values from ('2025-01-01') to ('2026-01-01');
-        grant select on meas, meas_2025 to cdc_reader;
+        grant select on meas, meas_2025 to srctest_reader;
         """
     )
     try:
@@ -220,7 +234,7 @@ def test_a_table_that_cannot_be_captured_is_skipped_by_name_and_the_others_are_c
         assert sorted(reasons) == ["public.gone", "public.meas_2025", "public.nokey", "public.secret"]
         assert reasons["public.nokey"][0] == "has no primary key" and "surrogate_key" in reasons["public.nokey"][1]
         assert "may not SELECT" in reasons["public.secret"][0]
-        assert 'GRANT SELECT ON "public"."secret" TO "cdc_reader"' in reasons["public.secret"][1]
+        assert 'GRANT SELECT ON "public"."secret" TO "srctest_reader"' in reasons["public.secret"][1]
         assert reasons["public.meas_2025"][0] == "it is a partition of public.meas"
         assert "does not exist" in reasons["public.gone"][0]
         with_key = source_config(tables=(TableConfig("public", "nokey", surrogate_key=("x", "zz")),))
@@ -237,7 +251,7 @@ def test_with_current_columns_sees_an_added_column_and_names_a_lost_key(admin: p
     """A chunk read re-describes the columns after its low watermark (``with_current_columns``): an added column is
     read, an unchanged table is returned as it is, and a key column that is gone is named."""
     admin.execute("create table reshaped (a int, b int, v text, primary key (a, b))")
-    admin.execute("grant select on reshaped to cdc_reader")
+    admin.execute("grant select on reshaped to srctest_reader")
     try:
         config = source_config(tables=(TableConfig("public", "reshaped"),))
         reader = connect(config.connection, "t")
@@ -256,7 +270,7 @@ def test_with_current_columns_sees_an_added_column_and_names_a_lost_key(admin: p
 
 
 def test_role_without_replication_refused(admin: psycopg.Connection) -> None:
-    config = source_config(user="cdc_norepl")
+    config = source_config(user="srctest_norepl")
     conn = connect(config.connection, "t")
     with pytest.raises(SourceError, match="lacks the REPLICATION attribute"):
         check_replication_role(conn, config)
@@ -264,11 +278,11 @@ def test_role_without_replication_refused(admin: psycopg.Connection) -> None:
 
 
 def test_unreachable_database_and_bad_password_never_leak_secret() -> None:
-    unreachable = PostgresConnection("127.0.0.1", 1, DATABASE, "cdc_reader", Secret(PASSWORD), connect_timeout=2)
-    with pytest.raises(SourceError, match=r"cannot connect to postgresql://cdc_reader@127\.0\.0\.1:1/") as info:
+    unreachable = PostgresConnection("127.0.0.1", 1, DATABASE, "srctest_reader", Secret(PASSWORD), connect_timeout=2)
+    with pytest.raises(SourceError, match=r"cannot connect to postgresql://srctest_reader@127\.0\.0\.1:1/") as info:
         connect(unreachable, "t")
     assert PASSWORD not in str(info.value)
-    wrong = PostgresConnection("127.0.0.1", PG_PORT, DATABASE, "cdc_reader", Secret("wrong-" + PASSWORD))
+    wrong = PostgresConnection("127.0.0.1", PG_PORT, DATABASE, "srctest_reader", Secret("wrong-" + PASSWORD))
     with pytest.raises(SourceError, match="password authentication failed") as info:
         connect(wrong, "t")
     assert PASSWORD not in str(info.value)
@@ -287,14 +301,14 @@ def test_bad_input_fails_clearly_and_moves_no_offset(admin: psycopg.Connection, 
     slot_before = admin.execute(
         "select confirmed_flush_lsn::text from pg_replication_slots where slot_name = 'admin_slot'"
     ).fetchone()
-    unreachable = PostgresConnection("127.0.0.1", 1, DATABASE, "cdc_reader", Secret(PASSWORD), connect_timeout=2)
+    unreachable = PostgresConnection("127.0.0.1", 1, DATABASE, "srctest_reader", Secret(PASSWORD), connect_timeout=2)
     cases = [
-        (source_config(publication="nope_pub"), r"publication 'nope_pub' does not exist and role 'cdc_reader' may not"),
+        (source_config(publication="nope_pub"), r"publication 'nope_pub' does not exist and role 'srctest_reader' may not"),
         (
             source_config(connection=unreachable),
-            r"source 't': cannot connect to postgresql://cdc_reader@127\.0\.0\.1:1",
+            r"source 't': cannot connect to postgresql://srctest_reader@127\.0\.0\.1:1",
         ),
-        (source_config(user="cdc_norepl"), r"role 'cdc_norepl' lacks the REPLICATION attribute"),
+        (source_config(user="srctest_norepl"), r"role 'srctest_norepl' lacks the REPLICATION attribute"),
     ]
     for config, message in cases:
         pipeline = PostgresPipeline(CdcConfig(tmp_path, SparkConfig(), (config,)), config)
