@@ -34,18 +34,31 @@ BACKGROUND_RUNS = {  # fixture -> (stash key, start, work dir, the run it follow
 }  # fmt: skip
 
 
-def pytest_collection_finish(session: pytest.Session) -> None:
-    """Start the torture runs now whose tests were selected (see ``tests/tools/torture_support.py``): they then run
-    beside the tests collected before them."""
-    if session.config.option.collectonly:
+# test folders whose tests run before the torture runs start: the browser tests wait (with timeouts) for runs of a
+# ``dagster dev`` that each start a Spark driver, and the torture runs' first minutes (three Spark drivers starting,
+# every chunk snapshotted) doubled their time (162 s alone, 343 s beside them in a suite run)
+BEFORE_TORTURE_RUNS = ("browser",)
+TORTURE_RUNS_STARTED = pytest.StashKey[bool]()
+
+
+@pytest.hookimpl(tryfirst=True)  # before the test's fixtures, which read the stash
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Start the torture runs whose tests were selected (see ``tests/tools/torture_support.py``) at the first test
+    outside ``BEFORE_TORTURE_RUNS``: they then run beside the tests after it, in the background."""
+    config = item.config
+    if config.stash.get(TORTURE_RUNS_STARTED, False):
         return
+    if Path(item.path).resolve().relative_to(ROOT / "tests").parts[0] in BEFORE_TORTURE_RUNS:
+        return
+    config.stash[TORTURE_RUNS_STARTED] = True
+    items = item.session.items
     for fixture, (key, start, work_dir, after) in BACKGROUND_RUNS.items():
-        if any(fixture in getattr(item, "fixturenames", ()) for item in session.items):
-            before = session.config.stash.get(after, None) if after is not None else None
+        if any(fixture in getattr(selected, "fixturenames", ()) for selected in items):
+            before = config.stash.get(after, None) if after is not None else None
             if before is None:
-                session.config.stash[key] = start(work_dir)
+                config.stash[key] = start(work_dir)
             else:  # started when ``before`` has ended (``ChainedRun``)
-                session.config.stash[key] = ChainedRun(before, lambda start=start, work_dir=work_dir: start(work_dir))
+                config.stash[key] = ChainedRun(before, lambda start=start, work_dir=work_dir: start(work_dir))
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
@@ -57,19 +70,20 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
 
 @pytest.fixture(scope="session")
 def broken_torture_run(request: pytest.FixtureRequest) -> BackgroundRun:
-    """The background ``--broken-reconciliation`` run started at collection."""
+    """The background ``--broken-reconciliation`` run (started at the first test after the browser tests)."""
     return request.config.stash[BROKEN_TORTURE_RUN]
 
 
 @pytest.fixture(scope="session")
 def faulted_torture_run(request: pytest.FixtureRequest) -> BackgroundRun:
-    """The background run with faults started at collection."""
+    """The background run with faults (started at the first test after the browser tests)."""
     return request.config.stash[FAULTED_TORTURE_RUN]
 
 
 @pytest.fixture(scope="session")
 def mongodb_torture_run(request: pytest.FixtureRequest) -> Run:
-    """The background MongoDB run with faults started at collection (or once the broken-reconciliation run ended)."""
+    """The background MongoDB run with faults (started once the broken-reconciliation run ended, when that one
+    runs too)."""
     return request.config.stash[MONGODB_TORTURE_RUN]
 
 
