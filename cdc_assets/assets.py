@@ -56,7 +56,6 @@ if TYPE_CHECKING:
 
     from cdc_assets.source import ChunkCheck
 
-CHUNKS_PER_RUN = 4
 CHUNK_CHECK_NAME = "chunk_matches_source"
 CAPTURED_CHECK_NAME = "table_is_captured"
 # a retried step re-reads (snapshot: new attempt, new window) or re-applies idempotently (stream)
@@ -103,7 +102,7 @@ def build_table_asset(source: SourceConfig, qualified_name: str) -> AssetsDefini
     @asset(
         key=key,
         partitions_def=chunk_partitions(source.name, qualified_name),
-        backfill_policy=BackfillPolicy.multi_run(max_partitions_per_run=CHUNKS_PER_RUN),
+        backfill_policy=BackfillPolicy.multi_run(max_partitions_per_run=source.chunks_per_run),
         retry_policy=RETRY,
         required_resource_keys={"cdc"},
         group_name=source.name,

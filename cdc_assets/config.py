@@ -11,7 +11,8 @@ environment, as it may hold credentials; kept as a ``Secret``) and ``mongodb`` o
 ``databases`` to list collections in, ``full_document`` mode, ``on_history_lost``: ``fail`` or ``resnapshot``), no
 slot or publication (the keys are refused for it, naming the allowed ones). Both kinds share ``include``/``exclude``
 (``fnmatch`` patterns over ``schema.table``, for MongoDB ``database.collection``), ``tables``, ``chunk_size``,
-``read_parallelism``, ``startup_mode``, ``stream`` and ``checks``.
+``read_parallelism``, ``chunks_per_run`` (chunk partitions one snapshot run reads: the planner's runs and each run
+of a backfill), ``startup_mode``, ``stream`` and ``checks``.
 
 Startup modes (Flink CDC's): ``initial`` (snapshot every chunk, stream from the start), ``latest`` (no snapshot is
 requested; stream from the position when the source is first discovered), ``snapshot`` (snapshot every chunk, no
@@ -199,6 +200,7 @@ class SourceConfig:
     stream: StreamConfig
     checks: ChecksConfig = ChecksConfig()
     mongodb: MongoOptions | None = None  # set exactly for kind mongodb
+    chunks_per_run: int = 4  # chunk partitions per snapshot run (planner runs, backfill runs)
     startup_timestamp: str | None = None  # SEC or SEC:ORD, exactly with startup_mode timestamp
 
 
@@ -264,7 +266,7 @@ def _spark(raw: Any, environ: Any) -> SparkConfig:
 
 _SOURCE_KEYS = {
     "name", "kind", "connection", "slot", "publication", "startup_mode", "chunk_size", "read_parallelism",
-    "tables", "include", "exclude", "stream", "checks", "startup_timestamp",
+    "chunks_per_run", "tables", "include", "exclude", "stream", "checks", "startup_timestamp",
 }  # fmt: skip
 _MONGODB_SOURCE_KEYS = (_SOURCE_KEYS - {"slot", "publication"}) | {"mongodb"}
 
@@ -309,6 +311,7 @@ def _source(raw: Any, where: str, environ: Any) -> SourceConfig:
         startup_mode=mode,
         chunk_size=_positive_int(source.get("chunk_size", 50_000), f"{where}.chunk_size"),
         read_parallelism=_positive_int(source.get("read_parallelism", 2), f"{where}.read_parallelism"),
+        chunks_per_run=_positive_int(source.get("chunks_per_run", 4), f"{where}.chunks_per_run"),
         tables=tables,
         include=include,
         exclude=exclude,

@@ -2,7 +2,7 @@
 
 For every captured table: plan its chunks once (stored in the lake, immutable), add the chunk partitions that the
 instance does not have yet, and in ``initial`` or ``snapshot`` mode request snapshot runs for the new chunks, in
-ranges of ``CHUNKS_PER_RUN`` chunks per run. Run keys make every chunk's initial snapshot requested once.
+ranges of the source's ``chunks_per_run`` chunks per run. Run keys make every chunk's initial snapshot requested once.
 
 Added columns: the sensor's cursor holds each table's column names as it last saw them (recorded on first sight,
 which the initial snapshot covers). When a table gains columns whose older rows hold a value no change carried
@@ -45,11 +45,11 @@ from dagster import (
 
 from cdc_assets.assets import (
     CAPTURED_CHECK_NAME,
-    CHUNKS_PER_RUN,
     chunk_partitions,
     skipped_table_evaluation,
     table_asset_key,
 )
+from cdc_assets.config import SourceConfig
 from cdc_assets.engine.chunks import chunk_partition_key
 from cdc_assets.engine.partitions import repartition_reason
 from resources.cdc import CdcResource
@@ -112,9 +112,7 @@ def build_planner_sensor(source_name: str, table_names: list[str]) -> SensorDefi
             if repartitioned:
                 context.log.info(f"{name}: {repartitioned}")
                 indexes = [c.index for c in plan.chunks]
-                requests += _snapshot_requests(
-                    source_name, name, indexes, f"repartition@{int(time.time())}", repartitioned
-                )
+                requests += _snapshot_requests(source, name, indexes, f"repartition@{int(time.time())}", repartitioned)
             filled = pipeline.filled_without_changes(table, added) if reads_tables else []
             if filled:
                 reason = (
@@ -125,13 +123,13 @@ def build_planner_sensor(source_name: str, table_names: list[str]) -> SensorDefi
                 indexes = [c.index for c in plan.chunks]
                 # the cursor makes each addition seen once; the time tells a column added again after a drop apart
                 kind = f"refill:{','.join(filled)}@{int(time.time())}"
-                requests += _snapshot_requests(source_name, name, indexes, kind, reason)
+                requests += _snapshot_requests(source, name, indexes, kind, reason)
             marker = resnapshots.get(name)
             if marker is not None and requested_resnapshots.get(name) != marker.position:
                 context.log.warning(f"{name}: {marker.reason}")
                 indexes = [c.index for c in plan.chunks]
                 requests += _snapshot_requests(
-                    source_name, name, indexes, f"resnapshot@{marker.position}", f"read again: {marker.reason}"
+                    source, name, indexes, f"resnapshot@{marker.position}", f"read again: {marker.reason}"
                 )
                 requested_resnapshots[name] = marker.position
             partitions = chunk_partitions(source_name, name)
@@ -142,7 +140,7 @@ def build_planner_sensor(source_name: str, table_names: list[str]) -> SensorDefi
             partition_requests.append(partitions.build_add_request(new_keys))
             if reads_tables:
                 indexes = sorted(c.index for c in plan.chunks if c.partition_key in new_keys)
-                requests += _snapshot_requests(source_name, name, indexes, "initial", "initial snapshot")
+                requests += _snapshot_requests(source, name, indexes, "initial", "initial snapshot")
         seen[PARTITIONS_KEY] = known_partitions
         seen[RESNAPSHOT_KEY] = {k: v for k, v in requested_resnapshots.items() if k in resnapshots}
         cursor = json.dumps(seen, sort_keys=True)
@@ -166,16 +164,17 @@ def build_planner_sensor(source_name: str, table_names: list[str]) -> SensorDefi
     return planner
 
 
-def _snapshot_requests(source_name: str, name: str, indexes: list[int], kind: str, reason: str) -> list[RunRequest]:
-    """Snapshot runs of ``indexes``, ``CHUNKS_PER_RUN`` chunks each; run key ``<kind>:<table>:<first>:<last>``."""
+def _snapshot_requests(source: SourceConfig, name: str, indexes: list[int], kind: str, reason: str) -> list[RunRequest]:
+    """Snapshot runs of ``indexes``, the source's ``chunks_per_run`` chunks each; run key
+    ``<kind>:<table>:<first>:<last>``."""
     requests = []
-    for start in range(0, len(indexes), CHUNKS_PER_RUN):
-        group = indexes[start : start + CHUNKS_PER_RUN]
+    for start in range(0, len(indexes), source.chunks_per_run):
+        group = indexes[start : start + source.chunks_per_run]
         first, last = chunk_partition_key(group[0]), chunk_partition_key(group[-1])
         requests.append(
             RunRequest(
                 run_key=f"{kind}:{name}:{first}:{last}",
-                asset_selection=[table_asset_key(source_name, name)],
+                asset_selection=[table_asset_key(source.name, name)],
                 # not the chunk checks: they take one chunk each, and a freshly staged chunk is not reconciled yet
                 # (run them once the stream has passed its window)
                 asset_check_keys=[],

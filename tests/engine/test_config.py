@@ -122,3 +122,12 @@ def test_table_names_keep_case_and_spaces_and_quote_parts_with_dots() -> None:
     for bad in ("a.b.c", '"a', ".a"):
         with pytest.raises(ConfigError, match=r"tables\[0\]\.name: .* is not a table name; expected 'schema.table'"):
             split_table_name(bad, "tables[0].name")
+
+
+def test_chunks_per_run_is_read_and_validated() -> None:
+    assert parse(BASE).source("demo").chunks_per_run == 4
+    config = parse({**BASE, "sources": [{**BASE["sources"][0], "chunks_per_run": 10}]})
+    assert config.source("demo").chunks_per_run == 10
+    for bad in (0, -1, "many", 2.5):
+        with pytest.raises(ConfigError, match=r"sources\[0\]\.chunks_per_run: expected a positive integer"):
+            parse({**BASE, "sources": [{**BASE["sources"][0], "chunks_per_run": bad}]})
