@@ -303,7 +303,10 @@ def test_bad_input_fails_clearly_and_moves_no_offset(admin: psycopg.Connection, 
     ).fetchone()
     unreachable = PostgresConnection("127.0.0.1", 1, DATABASE, "srctest_reader", Secret(PASSWORD), connect_timeout=2)
     cases = [
-        (source_config(publication="nope_pub"), r"publication 'nope_pub' does not exist and role 'srctest_reader' may not"),
+        (
+            source_config(publication="nope_pub"),
+            r"publication 'nope_pub' does not exist and role 'srctest_reader' may not",
+        ),
         (
             source_config(connection=unreachable),
             r"source 't': cannot connect to postgresql://srctest_reader@127\.0\.0\.1:1",
