@@ -2,29 +2,32 @@
 
 Headless Chromium (Debian's package) driven by Playwright against ``dagster dev`` on a small demo database
 (``tests/browser/conftest.py``): the offset job refused from the Launchpad, a table added at the source, planned
-after "Reload definitions" and two of its chunk partitions backfilled, and the stream's lag plotted. Each test
-asserts on what the UI shows and on the lake or the source behind it; screenshots go to ``.artifacts/browser/``.
+after "Reload definitions" and two of its chunk partitions backfilled, a 20-chunk snapshot paused and resumed, and
+the stream's lag plotted. Each test asserts on what the UI shows and on the lake or the source behind it;
+screenshots go to ``.artifacts/browser/``.
 
 The tests run in this order and share the server: the offset refusal comes first, while no stream run has started;
 the added table's backfill starts the first stream run (which keeps its Spark driver for ``run_seconds``; a run
-started earlier would capture the table from its first change on, see docs/guarantees.md), and the lag plots come
-last. The backfill of two chosen chunks and the table added were two tests with a backfill each (200 and 350 s);
-one backfill now shows both.
+started earlier would capture the table from its first change on, see docs/guarantees.md), the paused snapshot's
+windows are reconciled by that run, and the lag plots come last. The backfill of two chosen chunks and the table
+added were two tests with a backfill each (200 and 350 s); one backfill now shows both.
 """
 
 from __future__ import annotations
 
 import re
+import time
+from collections import Counter
 from collections.abc import Callable
 
 import pytest
-from dagster import DagsterEventType, DagsterRunStatus
+from dagster import AssetKey, DagsterEventType, DagsterRunStatus, RunsFilter
 from playwright.sync_api import Locator, Page, expect
 from pyspark.sql import SparkSession
 
 from cdc_assets.assets import change_offset_job_name, stream_asset_key
 from cdc_assets.config import load_config
-from cdc_assets.engine.chunks import chunk_partition_key
+from cdc_assets.engine.chunks import chunk_index, chunk_partition_key
 from cdc_assets.engine.windows import RECONCILED, STAGED
 from cdc_assets.lake.layout import SourceLake
 from cdc_assets.lake.windows import read_events
@@ -46,6 +49,7 @@ LAUNCHPAD_CONFIG = f"""ops:
       changed_by: browser test
       reason: an offset ahead of the server's WAL must be refused
 """
+BACKFILL_ID_TAG = "dagster/backfill"  # the tag Dagster puts on every run of a backfill
 BACKFILL_DONE = re.compile(r"^(Succeeded|Completed|Failed|Canceled)$")
 # a plot's points and lines are drawn in colour; its axes, grid and labels are grey
 COLOURED_PIXELS = """canvas => {
@@ -72,8 +76,8 @@ def latest_offset_event(ui: DagsterUi) -> int | None:
     """The storage id of the stream asset's latest materialization (its recorded offset), None before any."""
     instance = ui.instance()
     try:
-        event = instance.get_latest_materialization_event(stream_asset_key(SOURCE))
-        return None if event is None else event.storage_id
+        records = instance.fetch_materializations(stream_asset_key(SOURCE), limit=1).records
+        return records[0].storage_id if records else None
     finally:
         instance.dispose()
 
@@ -211,6 +215,98 @@ def test_a_table_added_at_the_source_is_planned_after_reload_definitions_and_two
     expected = source_rows(source, table)
     assert len(expected) == 250
     assert mirror_rows(spark, lake.table("public.refunds").mirror, table) == expected
+
+
+def backfill_runs(ui: DagsterUi, backfill_id: str) -> list:
+    instance = ui.instance()
+    try:
+        return list(instance.get_runs(filters=RunsFilter(tags={BACKFILL_ID_TAG: backfill_id})))
+    finally:
+        instance.dispose()
+
+
+def backfill_ids(ui: DagsterUi) -> list[str]:
+    instance = ui.instance()
+    try:
+        return [b.backfill_id for b in instance.get_backfills(limit=50)]
+    finally:
+        instance.dispose()
+
+
+def materialized_partitions(ui: DagsterUi, asset_key: AssetKey) -> Counter[str]:
+    """How many times each partition of the asset was materialized."""
+    instance = ui.instance()
+    try:
+        records = instance.fetch_materializations(asset_key, limit=1000).records
+    finally:
+        instance.dispose()
+    return Counter(r.asset_materialization.partition for r in records if r.asset_materialization is not None)
+
+
+def open_backfill_action(page: Page, ui: DagsterUi, backfill_id: str, action: str) -> None:
+    """On the backfill's page: the actions menu (the button beside its title), then ``action``."""
+    page.goto(f"{ui.url}/runs/b/{backfill_id}")
+    menu = page.get_by_role("button").filter(has=page.get_by_role("img", name="expand_more"))
+    menu.first.click()
+    page.get_by_role("menuitem", name=action).click()
+
+
+def test_a_twenty_chunk_snapshot_paused_from_the_ui_resumes_with_only_the_chunks_not_done(
+    dagster_ui: DagsterUi, page: Page, spark: SparkSession
+) -> None:
+    """Pause and resume of a long snapshot (Debezium's pause-snapshot and resume-snapshot): a backfill of all 20
+    chunks of order_lines (10 chunks a run, a backfill's runs one at a time) is cancelled from the UI once its first
+    run succeeded; the second run is cancelled wherever it was. "Re-execute from failure" then launches a backfill of
+    the 10 chunks not materialized. Every chunk is materialized exactly once, the first run's chunks are never read
+    again, the stream kept running throughout, and the mirror equals the source."""
+    name, asset_key = "public.order_lines", AssetKey([SOURCE, "public", "order_lines"])
+    page.goto(f"{dagster_ui.url}/assets/{SOURCE}/public/order_lines?view=partitions")
+    wait_until_shown(page, page.get_by_text("Missing (20)", exact=True), PLANNER_TIMEOUT_MS)
+    stream_before = latest_offset_event(dagster_ui)
+    known = set(backfill_ids(dagster_ui))
+    first = launch_backfill(page, lambda dialog: dialog.get_by_role("button", name="All", exact=True).click(), 20)
+
+    deadline = time.monotonic() + BACKFILL_TIMEOUT_MS / 1000
+    while not any(r.status == DagsterRunStatus.SUCCESS for r in backfill_runs(dagster_ui, first)):
+        assert time.monotonic() < deadline, f"no run of backfill {first} succeeded"
+        assert not any(r.status == DagsterRunStatus.FAILURE for r in backfill_runs(dagster_ui, first))
+        time.sleep(2)
+    open_backfill_action(page, dagster_ui, first, "Cancel backfill")
+    page.get_by_role("dialog").get_by_role("button", name="Cancel backfill").click()
+    status = wait_for_backfill(page, dagster_ui, first)
+    expect(status).to_have_text("Canceled")
+    screenshot(page, "3-snapshot-paused")
+    paused = materialized_partitions(dagster_ui, asset_key)
+    assert len(paused) == 10 and set(paused.values()) == {1}, paused  # the first run's chunks, nothing else
+    # the second run cancelled wherever it was (queued, starting or reading), or never launched
+    statuses = sorted(r.status.value for r in backfill_runs(dagster_ui, first))
+    assert statuses in (["CANCELED", "SUCCESS"], ["SUCCESS"]), statuses
+
+    open_backfill_action(page, dagster_ui, first, "Re-execute from failure")
+    deadline = time.monotonic() + RUN_TIMEOUT_MS / 1000
+    while not (resumed := set(backfill_ids(dagster_ui)) - known - {first}):
+        assert time.monotonic() < deadline, "Re-execute from failure launched no backfill"
+        time.sleep(1)
+    (second,) = resumed
+    status = wait_for_backfill(page, dagster_ui, second)
+    screenshot(page, "3-snapshot-resumed")
+    expect(status).to_have_text("Succeeded")
+    assert len(backfill_runs(dagster_ui, second)) == 1  # the 10 chunks not done, in one run
+
+    chunks = {chunk_partition_key(i) for i in range(20)}
+    done = materialized_partitions(dagster_ui, asset_key)
+    assert set(done) == chunks and set(done.values()) == {1}, done  # every chunk materialized exactly once
+    lake = SourceLake(dagster_ui.lake, SOURCE)
+    events = [e for e in read_events(spark, lake.windows) if e.window.table == name]
+    staged = Counter(e.window.chunk for e in events if e.event == STAGED)
+    first_run_chunks = {chunk_index(key) for key in paused}
+    assert all(staged[i] == 1 for i in first_run_chunks), staged  # never read again after the pause
+    assert {e.window.chunk for e in events if e.event == RECONCILED} == set(range(20))
+    assert latest_offset_event(dagster_ui) != stream_before  # the stream kept recording batches
+    source, table = captured(dagster_ui, name)
+    expected = source_rows(source, table)
+    assert len(expected) == 600
+    assert mirror_rows(spark, lake.table(name).mirror, table) == expected
 
 
 def test_the_stream_asset_plots_its_lag_and_its_lag_check_says_within_bounds(dagster_ui: DagsterUi, page: Page) -> None:

@@ -33,7 +33,9 @@ sources:
     publication: cdc_demo
     startup_mode: latest
     chunk_size: 100
+    chunks_per_run: 10
     include: ["public.*"]
+    tables: [{{name: public.order_lines, chunk_size: 30}}]  # 600 rows: the 20-chunk snapshot paused and resumed
     # a stream run keeps its Spark driver for 10 minutes, as in the demo; an idle slot is never advanced (no stream
     # run starts before a test writes)
     stream: {{interval_seconds: 5, run_seconds: 600, poll_seconds: 1, max_lag_bytes: 1099511627776}}
