@@ -69,7 +69,7 @@ from cdc_assets.lake.schema import spark_fields
 from cdc_assets.source import CapturedTablesChanged, PermanentBatchError, SourceError, SourceLag
 from cdc_assets.sources.mongodb import catalog, filter_query, history, snapshot, stream
 from cdc_assets.sources.mongodb import client as clients
-from cdc_assets.sources.mongodb.catalog import ARROW_SCHEMA, COLUMNS, CapturedCollection, SkippedCollection
+from cdc_assets.sources.mongodb.catalog import CapturedCollection, SkippedCollection
 from cdc_assets.sources.mongodb.consistency import MongoCheckSession
 from cdc_assets.sources.mongodb.watermark import (
     TIMESTAMP_FORMS,
@@ -154,7 +154,7 @@ class MongoWindow:
             parts = snapshot.rows_by_key(
                 dialect.client, table, keys, self.low, dialect.capabilities.cluster_time, batch_size
             )
-            return staging.write_part(staging_path, attempt, FILL_CHUNK, 0, parts, ARROW_SCHEMA)
+            return staging.write_part(staging_path, attempt, FILL_CHUNK, 0, parts, table.arrow_schema)
 
         return snapshot.read_whole(stage)
 
@@ -168,7 +168,7 @@ class MongoWindow:
             parts = snapshot.read_chunk(
                 dialect.client, table, None, None, self.low, dialect.capabilities.cluster_time, batch_size, query
             )
-            return staging.write_part(staging_path, attempt, ROWS_CHUNK, 0, parts, ARROW_SCHEMA)
+            return staging.write_part(staging_path, attempt, ROWS_CHUNK, 0, parts, table.arrow_schema)
 
         return snapshot.read_whole(stage)
 
@@ -491,16 +491,19 @@ class MongoDialect:
         return SourceLag(0, seconds if current > behind else 0.0, current > behind)
 
     def spark_fields(self, table: CapturedCollection, added: Sequence[object] = ()) -> list[T.StructField]:
-        return spark_fields(ARROW_SCHEMA)
+        return spark_fields(table.arrow_schema)
 
     def column_names(self, table: CapturedCollection) -> list[str]:
-        return list(COLUMNS)
+        return table.column_names
 
     def partitions(self, table: CapturedCollection) -> list[str]:
         return []
 
     def filled_without_changes(self, table: CapturedCollection, names: Sequence[str]) -> list[str]:
-        return []
+        """Declared fields among ``names`` (declared since the caller last looked): rows written before hold NULL
+        there although their documents may have values, so their chunks must be read again."""
+        declared = {f.name for f in table.fields}
+        return [n for n in names if n in declared]
 
     @contextmanager
     def check_session(self) -> Iterator[MongoCheckSession]:
