@@ -9,7 +9,8 @@ server (``mongo_server``), real Spark and Delta.
   the consistency check matches.
 - A field declared later (the configuration changed): the existing mirror gains the column, rows written before
   hold NULL until their next change, the dialect reports the field as filled without changes (the planner reads
-  every chunk again), and a snapshot of the chunks fills it; the check still matches.
+  every chunk again), the consistency check reports those rows naming the columns, and a snapshot of the chunk
+  fills them; the check then matches.
 """
 
 from __future__ import annotations
@@ -235,6 +236,11 @@ def test_a_field_declared_later_evolves_the_mirror_and_is_filled_by_a_snapshot(
         }
         # written before the fields were declared and not changed since: NULL until their chunk is read again
         assert rows[id_key(5)] == {"qty": 5 * 10, "name": None, "price": None, "_cdc_unrepresentable": None}
+        # the check covers typed columns: the older rows' NULLs are reported (the documents hold values)
+        (check,) = pipeline.check_chunks(spark, table, [0], wait_seconds=60)
+        difference = check.first_difference or ""
+        assert check.conclusive and not check.matches, check
+        assert f"key (_id_key={id_key(0)})" in difference and "differing columns: name, price" in difference, check
         pipeline.snapshot(spark, table, [0], "refill")
         stream.catch_up()
         assert_exact(spark, pipeline, products)

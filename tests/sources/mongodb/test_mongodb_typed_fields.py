@@ -21,6 +21,7 @@ from bson.timestamp import Timestamp
 
 from cdc_assets.config import ConfigError, FieldConfig, parse_config
 from cdc_assets.sources.mongodb.catalog import CapturedCollection, document_row, rows_table
+from cdc_assets.sources.mongodb.consistency import source_texts, typed_text
 from cdc_assets.sources.mongodb.stream import Event, _row, change_schema
 from cdc_assets.sources.mongodb.typed_fields import MISSING, arrow_type, convert
 
@@ -238,3 +239,21 @@ def test_fields_are_refused_for_postgres_naming_the_key() -> None:
     ):
         parse_tables([{"name": "public.t", "fields": {"a": "long"}}], kind="postgres")  # fmt: skip
     assert parse_tables(["public.t"], kind="postgres").tables[0].fields == ()
+
+
+def test_typed_texts_of_the_consistency_check() -> None:
+    """The source side's spelling of typed values (the mirror side spells them alike on Spark; the integration test
+    compares both)."""
+    assert [typed_text(v) for v in (None, "a", 7, True, False, Decimal("-0.10"), Decimal("0E-10"), b"\x0a\xff")] == [
+        None, "a", "7", "true", "false", "-0.10", "0.0000000000", "0aff"
+    ]  # fmt: skip
+    assert typed_text(1.0) == "3ff0000000000000" and typed_text(-0.0) == "8000000000000000"
+    assert typed_text(math.nan) == "NaN"
+    assert typed_text(dt.datetime(1970, 1, 1, 0, 0, 1, 5, tzinfo=UTC)) == "1000005"
+    assert typed_text(dt.datetime(1969, 12, 31, 23, 59, 59, tzinfo=UTC)) == "-1000000"
+    assert typed_text(dt.date(1970, 1, 3)) == "2" and typed_text(dt.date(1969, 12, 31)) == "-1"
+    row = document_row({"_id": 1, "qty": "many", "name": "lamp"}, FIELDS)
+    assert source_texts(PRODUCTS, row) == {
+        "_id_key": row["_id_key"], "_id": row["_id"], "document": row["document"], "price": None, "qty": '"many"',
+        "name": "lamp", "updated": None,
+    }  # fmt: skip
