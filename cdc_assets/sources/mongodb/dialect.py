@@ -40,6 +40,10 @@ Contract:
   past it. ``startup_mode: snapshot``: no event waits (only staged windows and checks ask for batches). On the test
   server a new dialect object starts looking for the newest event from the stored stream start or acknowledged
   position (each was the newest event some process had seen, or before it), not from the oplog's start.
+- Columns: ``spark_fields``/``column_names`` are the collection's lake columns (``catalog``: the fixed ones and the
+  declared fields, typed by ``typed_fields``); ``filled_without_changes`` names the declared fields among the added
+  columns (rows written before hold NULL there while their documents may hold values: the planner reads every chunk
+  again).
 - Connection failures raise ``SourceError`` with the connection string redacted (``client.source_error``).
 """
 
