@@ -20,6 +20,12 @@ streaming beyond what the snapshot windows need), ``timestamp`` (MongoDB only: n
 the cluster time ``startup_timestamp``, ``SEC`` or ``SEC:ORD``; PostgreSQL refuses it: a slot cannot start in the
 past). ``startup_timestamp`` is required with ``timestamp`` and refused with any other mode.
 
+Declared fields (MongoDB only): a ``tables`` entry of a ``mongodb`` source may declare top-level fields with a type
+(``fields: {price: decimal(12,2), qty: long}``, ``FieldConfig``; types ``FIELD_TYPES``), each extracted into a typed
+column of the collection's lake tables (``cdc_assets/sources/mongodb/typed_fields.py``). Refused naming the key and
+the collection: an unknown type, ``_id``, a name with ``.`` or starting with ``$`` or ``_cdc``, a fixed column's name,
+names equal but for case; ``fields`` under a PostgreSQL source.
+
 See ``cdc.yaml`` at the repository root for a documented example.
 """
 
@@ -63,12 +69,32 @@ class Secret:
     __str__ = __repr__
 
 
+# the types a MongoDB collection's declared top-level fields may have (docs/mongodb.md, "Typed fields")
+FIELD_TYPES = ("string", "int", "long", "double", "decimal(p,s)", "boolean", "timestamp", "date", "binary")
+FIELD_TYPES_TEXT = (
+    "string, int, long, double, decimal(p,s) (1 <= p <= 38, 0 <= s <= p), boolean, timestamp, date, binary"
+)
+# a MongoDB collection's fixed lake columns (cdc_assets/sources/mongodb/catalog.py): no declared field may take them
+MONGODB_FIXED_COLUMNS = ("_id_key", "_id", "document", "_cdc_unrepresentable")
+_DECIMAL_TYPE = re.compile(r"decimal\(\s*(\d+)\s*,\s*(\d+)\s*\)")
+
+
+@dataclass(frozen=True)
+class FieldConfig:
+    """A declared top-level field of a MongoDB collection: its name and type (``FIELD_TYPES``; a decimal as
+    ``decimal(p,s)`` with its precision and scale, spaces removed)."""
+
+    name: str
+    type: str
+
+
 @dataclass(frozen=True)
 class TableConfig:
     schema: str
     name: str
     surrogate_key: tuple[str, ...] = ()
     chunk_size: int | None = None
+    fields: tuple[FieldConfig, ...] = ()  # MongoDB only: declared top-level fields extracted to typed columns
 
     @property
     def qualified_name(self) -> str:
@@ -287,7 +313,7 @@ def _source(raw: Any, where: str, environ: Any) -> SourceConfig:
             "in the past; use 'initial' (snapshot, then stream) or 'latest' (stream from now)"
         )
     startup_timestamp = _startup_timestamp(source.get("startup_timestamp"), mode, f"{where}.startup_timestamp")
-    tables = tuple(_table(t, f"{where}.tables[{i}]") for i, t in enumerate(source.get("tables") or []))
+    tables = tuple(_table(t, f"{where}.tables[{i}]", kind) for i, t in enumerate(source.get("tables") or []))
     include = tuple(_string(p, f"{where}.include") for p in source.get("include") or [])
     exclude = tuple(_string(p, f"{where}.exclude") for p in source.get("exclude") or [])
     if not tables and not include:
@@ -449,10 +475,16 @@ def _checks(raw: Any, where: str) -> ChecksConfig:
     return ChecksConfig(cron=" ".join(cron.split()), chunks_per_window=per_window)
 
 
-def _table(raw: Any, where: str) -> TableConfig:
+def _table(raw: Any, where: str, kind: str | None = None) -> TableConfig:
     if isinstance(raw, str):
         raw = {"name": raw}
-    table = _mapping(raw, where, {"name", "surrogate_key", "chunk_size"}, required={"name"})
+    keys = {"name", "surrogate_key", "chunk_size"}
+    if isinstance(raw, dict) and "fields" in raw and kind != "mongodb":
+        raise ConfigError(
+            f"{where}.fields: declared typed fields are for MongoDB sources only (a PostgreSQL table's columns are "
+            f"typed by its catalog); remove it. Allowed keys here: {', '.join(sorted(keys))}"
+        )
+    table = _mapping(raw, where, keys | {"fields"} if kind == "mongodb" else keys, required={"name"})
     schema, name = split_table_name(_string(table["name"], f"{where}.name"), f"{where}.name")
     surrogate = table.get("surrogate_key") or []
     if isinstance(surrogate, str):
@@ -463,7 +495,57 @@ def _table(raw: Any, where: str) -> TableConfig:
         name=name,
         surrogate_key=tuple(_string(c, f"{where}.surrogate_key") for c in surrogate),
         chunk_size=None if chunk_size is None else _positive_int(chunk_size, f"{where}.chunk_size"),
+        fields=_fields(table.get("fields"), f"{where}.fields", qualify(schema, name)),
     )
+
+
+def _fields(raw: Any, where: str, collection: str) -> tuple[FieldConfig, ...]:
+    """A collection's declared top-level fields (``{name: type}``), in the order given. Refused, naming the key, the
+    collection and what is allowed: a type outside ``FIELD_TYPES``; the name ``_id`` (the key has its columns), a
+    name holding ``.`` or a NUL or starting with ``$`` (not a top-level field), starting with ``_cdc`` (the lake's
+    columns) or equal to a fixed column; two names equal but for case (Spark's column names ignore case)."""
+    if raw is None:
+        return ()
+    if not isinstance(raw, dict):
+        raise ConfigError(
+            f"{where}: expected a mapping of top-level field name to type for collection {collection}, got "
+            f"{type(raw).__name__}; allowed types: {FIELD_TYPES_TEXT}"
+        )
+    fields: list[FieldConfig] = []
+    seen: dict[str, str] = {}
+    for name, type_text in raw.items():
+        if not isinstance(name, str) or not name:
+            raise ConfigError(f"{where}: {name!r} is not a field name (collection {collection}); expected a string")
+        at = f"{where}.{name}"
+        if name == "_id":
+            reason = "the _id is the key (columns _id_key and _id) and stays in document"
+        elif "." in name or "\0" in name:
+            reason = "only top-level fields are extracted: no '.' (a path into a subdocument) or NUL in the name"
+        elif name.startswith("$"):
+            reason = "a field name starting with '$' is an operator, not a field"
+        elif name.lower().startswith("_cdc") or name.lower() in MONGODB_FIXED_COLUMNS:
+            reason = f"the name is taken by the lake's columns ({', '.join(MONGODB_FIXED_COLUMNS)}, _cdc_*)"
+        elif name.lower() in seen:
+            reason = f"it equals {seen[name.lower()]!r} but for case, and Spark's column names ignore case"
+        else:
+            reason = None
+        if reason is not None:
+            raise ConfigError(f"{at}: field {name!r} of collection {collection} cannot be declared: {reason}")
+        seen[name.lower()] = name
+        fields.append(FieldConfig(name, _field_type(type_text, at, collection)))
+    return tuple(fields)
+
+
+def _field_type(raw: Any, where: str, collection: str) -> str:
+    text = raw.strip().lower() if isinstance(raw, str) else ""
+    decimal = _DECIMAL_TYPE.fullmatch(text)
+    if decimal is not None:
+        precision, scale = int(decimal.group(1)), int(decimal.group(2))
+        if 1 <= precision <= 38 and scale <= precision:
+            return f"decimal({precision},{scale})"
+    elif text in FIELD_TYPES and text != "decimal(p,s)":
+        return text
+    raise ConfigError(f"{where}: type {raw!r} is not allowed (collection {collection}); allowed: {FIELD_TYPES_TEXT}")
 
 
 def split_table_name(text: str, where: str) -> tuple[str, str]:

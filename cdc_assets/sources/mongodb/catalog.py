@@ -8,8 +8,12 @@ Contract:
   ``system.*`` collection are skipped with reason and fix (no change stream, or not ours to capture).
 - Lake columns of every collection (``ARROW_SCHEMA``): ``_id_key`` (the key: hex of ``bson_order.sort_key(_id)``;
   hex keeps the byte order, so Spark's string order of keys and chunk bounds is BSON order), ``_id`` (canonical
-  extended JSON of the ``_id``), ``document`` (canonical extended JSON of the whole document), then
-  ``_cdc_unrepresentable`` (always NULL: text holds every value). ``document_row(doc)`` makes one such row.
+  extended JSON of the ``_id``), ``document`` (canonical extended JSON of the whole document), then one typed
+  column per declared top-level field (``tables[].fields``, in declared order; ``typed_fields``), then
+  ``_cdc_unrepresentable`` (field name -> canonical extended JSON of a declared field's value that does not fit its
+  type; NULL when every value fits). ``CapturedCollection.arrow_schema`` is the collection's schema
+  (``ARROW_SCHEMA`` without declared fields); ``document_row(doc, fields)`` makes one row of it.
+- ``discover`` gives each captured collection the fields its ``tables`` entry declares (none otherwise).
 """
 
 from __future__ import annotations
@@ -21,11 +25,12 @@ from typing import Any
 import pyarrow as pa
 import pymongo
 
-from cdc_assets.config import SourceConfig
+from cdc_assets.config import FieldConfig, SourceConfig
 from cdc_assets.engine.names import qualify
 from cdc_assets.lake.schema import UNREPRESENTABLE_COLUMN, UNREPRESENTABLE_TYPE
 from cdc_assets.source import SourceError
 from cdc_assets.sources.mongodb.bson_order import canonical_json, sort_key
+from cdc_assets.sources.mongodb.typed_fields import arrow_fields, typed_values
 
 KEY_COLUMN = "_id_key"
 COLUMNS = (KEY_COLUMN, "_id", "document")
@@ -34,10 +39,26 @@ ARROW_SCHEMA = SOURCE_SCHEMA.append(pa.field(UNREPRESENTABLE_COLUMN, UNREPRESENT
 SYSTEM_DATABASES = ("admin", "local", "config")
 
 
+def arrow_schema(fields: tuple[FieldConfig, ...] = ()) -> pa.Schema:
+    """The lake columns of a collection with these declared fields."""
+    if not fields:
+        return ARROW_SCHEMA
+    return pa.schema([*SOURCE_SCHEMA, *arrow_fields(fields), pa.field(UNREPRESENTABLE_COLUMN, UNREPRESENTABLE_TYPE)])
+
+
 @dataclass(frozen=True)
 class CapturedCollection:
     database: str
     collection: str
+    fields: tuple[FieldConfig, ...] = ()  # declared top-level fields (typed columns)
+
+    @property
+    def arrow_schema(self) -> pa.Schema:
+        return arrow_schema(self.fields)
+
+    @property
+    def column_names(self) -> list[str]:
+        return [*COLUMNS, *(f.name for f in self.fields)]
 
     @property
     def qualified_name(self) -> str:
@@ -72,14 +93,15 @@ def id_key(value: Any) -> str:
     return sort_key(value).hex()
 
 
-def document_row(document: dict[str, Any]) -> dict[str, Any]:
+def document_row(document: dict[str, Any], fields: tuple[FieldConfig, ...] = ()) -> dict[str, Any]:
     _id = document["_id"]
-    return {KEY_COLUMN: id_key(_id), "_id": canonical_json(_id), "document": canonical_json(document),
-            UNREPRESENTABLE_COLUMN: None}  # fmt: skip
+    values, unrepresentable = typed_values(document, fields)
+    return {KEY_COLUMN: id_key(_id), "_id": canonical_json(_id), "document": canonical_json(document), **values,
+            UNREPRESENTABLE_COLUMN: None if unrepresentable is None else list(unrepresentable.items())}  # fmt: skip
 
 
-def rows_table(rows: list[dict[str, Any]]) -> pa.Table:
-    return pa.Table.from_pylist(rows, schema=ARROW_SCHEMA)
+def rows_table(rows: list[dict[str, Any]], schema: pa.Schema = ARROW_SCHEMA) -> pa.Table:
+    return pa.Table.from_pylist(rows, schema=schema)
 
 
 def discover(
@@ -90,6 +112,9 @@ def discover(
     if databases is None:
         databases = [d for d in client.list_database_names() if d not in SYSTEM_DATABASES]
     named = {(t.schema, t.name) for t in source.tables}
+    declared: dict[tuple[str, str], tuple[FieldConfig, ...]] = {}
+    for t in source.tables:
+        declared.setdefault((t.schema, t.name), t.fields)
     for database, _ in sorted(named):
         if database not in databases:
             databases.append(database)
@@ -116,7 +141,7 @@ def discover(
                     "capture the collections it reads instead, and exclude it",
                 ))  # fmt: skip
             else:
-                captured[(database, name)] = CapturedCollection(database, name)
+                captured[(database, name)] = CapturedCollection(database, name, declared.get((database, name), ()))
     missing = sorted(named - found)
     if missing:
         database, name = missing[0]

@@ -40,6 +40,10 @@ Contract:
   past it. ``startup_mode: snapshot``: no event waits (only staged windows and checks ask for batches). On the test
   server a new dialect object starts looking for the newest event from the stored stream start or acknowledged
   position (each was the newest event some process had seen, or before it), not from the oplog's start.
+- Columns: ``spark_fields``/``column_names`` are the collection's lake columns (``catalog``: the fixed ones and the
+  declared fields, typed by ``typed_fields``); ``filled_without_changes`` names the declared fields among the added
+  columns (rows written before hold NULL there while their documents may hold values: the planner reads every chunk
+  again).
 - Connection failures raise ``SourceError`` with the connection string redacted (``client.source_error``).
 """
 
@@ -69,7 +73,7 @@ from cdc_assets.lake.schema import spark_fields
 from cdc_assets.source import CapturedTablesChanged, PermanentBatchError, SourceError, SourceLag
 from cdc_assets.sources.mongodb import catalog, filter_query, history, snapshot, stream
 from cdc_assets.sources.mongodb import client as clients
-from cdc_assets.sources.mongodb.catalog import ARROW_SCHEMA, COLUMNS, CapturedCollection, SkippedCollection
+from cdc_assets.sources.mongodb.catalog import CapturedCollection, SkippedCollection
 from cdc_assets.sources.mongodb.consistency import MongoCheckSession
 from cdc_assets.sources.mongodb.watermark import (
     TIMESTAMP_FORMS,
@@ -154,7 +158,7 @@ class MongoWindow:
             parts = snapshot.rows_by_key(
                 dialect.client, table, keys, self.low, dialect.capabilities.cluster_time, batch_size
             )
-            return staging.write_part(staging_path, attempt, FILL_CHUNK, 0, parts, ARROW_SCHEMA)
+            return staging.write_part(staging_path, attempt, FILL_CHUNK, 0, parts, table.arrow_schema)
 
         return snapshot.read_whole(stage)
 
@@ -168,7 +172,7 @@ class MongoWindow:
             parts = snapshot.read_chunk(
                 dialect.client, table, None, None, self.low, dialect.capabilities.cluster_time, batch_size, query
             )
-            return staging.write_part(staging_path, attempt, ROWS_CHUNK, 0, parts, ARROW_SCHEMA)
+            return staging.write_part(staging_path, attempt, ROWS_CHUNK, 0, parts, table.arrow_schema)
 
         return snapshot.read_whole(stage)
 
@@ -491,16 +495,19 @@ class MongoDialect:
         return SourceLag(0, seconds if current > behind else 0.0, current > behind)
 
     def spark_fields(self, table: CapturedCollection, added: Sequence[object] = ()) -> list[T.StructField]:
-        return spark_fields(ARROW_SCHEMA)
+        return spark_fields(table.arrow_schema)
 
     def column_names(self, table: CapturedCollection) -> list[str]:
-        return list(COLUMNS)
+        return table.column_names
 
     def partitions(self, table: CapturedCollection) -> list[str]:
         return []
 
     def filled_without_changes(self, table: CapturedCollection, names: Sequence[str]) -> list[str]:
-        return []
+        """Declared fields among ``names`` (declared since the caller last looked): rows written before hold NULL
+        there although their documents may have values, so their chunks must be read again."""
+        declared = {f.name for f in table.fields}
+        return [n for n in names if n in declared]
 
     @contextmanager
     def check_session(self) -> Iterator[MongoCheckSession]:

@@ -7,13 +7,14 @@ Contract:
   every N-th one a boundary. Bounds are ``(<hex of sort_key(_id)>,)``: the lake's ``_id_key`` values, so a chunk
   is the same range in the source's BSON order and in Spark's string order. The last chunk is open-ended.
 - ``read_chunk(client, collection, lo, hi, low_watermark, cluster_time)`` yields the documents of ``[lo, hi)`` as
-  Arrow tables of ``catalog.ARROW_SCHEMA`` (at most ``BATCH_ROWS`` rows each). It reads every document of the
-  collection with read concern ``majority`` (on a server that keeps cluster times in a causally consistent session
-  after the low watermark: ``afterClusterTime``, so the read sees every event at or before it) and keeps those whose
-  ``_id_key`` is in the range. Why not a range query: a ``$gte``/``$lt`` on ``_id`` matches only the bound's type
-  (type bracketing), ``min()``/``max()`` are ignored by the test server, and the test server's order differs from
-  MongoDB's for a few values (docs/mongodb.md); filtering by the key in the reader loses no type. The cost: each
-  chunk's read scans the collection (chunks read in parallel tasks each scan it once).
+  Arrow tables of the collection's schema (``CapturedCollection.arrow_schema``, declared fields typed; at most
+  ``BATCH_ROWS`` rows each). It reads every document of the collection with read concern ``majority`` (on a server
+  that keeps cluster times in a causally consistent session after the low watermark: ``afterClusterTime``, so the
+  read sees every event at or before it) and keeps those whose ``_id_key`` is in the range. Why not a range query:
+  a ``$gte``/``$lt`` on ``_id`` matches only the bound's type (type bracketing), ``min()``/``max()`` are ignored by
+  the test server, and the test server's order differs from MongoDB's for a few values (docs/mongodb.md); filtering
+  by the key in the reader loses no type. The cost: each chunk's read scans the collection (chunks read in parallel
+  tasks each scan it once).
 - The test server does not cap a reply at 16 MB as MongoDB does: a batch of a few large documents is larger than
   its message size (48 MB) and the driver fails with "Message length ... is larger than server max message size".
   ``read_whole(read)`` runs a whole read again with ``SAFE_BATCH`` documents a batch then (two of at most 16 MB
@@ -40,7 +41,7 @@ from cdc_assets.engine.chunks import ChunkPlan, chunks_from_boundaries
 from cdc_assets.lake import staging
 from cdc_assets.sources.mongodb import client as clients
 from cdc_assets.sources.mongodb.bson_order import sort_key
-from cdc_assets.sources.mongodb.catalog import ARROW_SCHEMA, CapturedCollection, document_row, rows_table
+from cdc_assets.sources.mongodb.catalog import CapturedCollection, document_row, id_key, rows_table
 from cdc_assets.sources.mongodb.watermark import timestamp_of
 
 BATCH_ROWS = 1000
@@ -124,15 +125,17 @@ def read_chunk(
             session.advance_operation_time(timestamp_of(low_watermark))
         rows: list[dict[str, Any]] = []
         size = 0
+        schema = table.arrow_schema
         for document in collection.find(dict(query or {}), session=session, batch_size=batch_size):
-            row = document_row(document)
-            if in_range(row["_id_key"], lo, hi):
+            key = id_key(document["_id"])
+            if in_range(key, lo, hi):
+                row = document_row(document, table.fields)
                 rows.append(row)
                 size += len(row["document"])
                 if len(rows) >= BATCH_ROWS or size >= BATCH_BYTES:
-                    yield rows_table(rows)
+                    yield rows_table(rows, schema)
                     rows, size = [], 0
-        yield rows_table(rows)
+        yield rows_table(rows, schema)
     finally:
         if session is not None:
             session.end_session()
@@ -167,7 +170,7 @@ def chunk_stager(
                         tables = read_chunk(
                             client, table, item["lo"], item["hi"], low_watermark, cluster_time, batch_size
                         )
-                        return staging.write_part(staging_path, attempt, item["chunk"], 0, tables, ARROW_SCHEMA)
+                        return staging.write_part(staging_path, attempt, item["chunk"], 0, tables, table.arrow_schema)
 
                     rows = read_whole(stage)
                     yield pa.RecordBatch.from_arrays(

@@ -18,7 +18,8 @@ Contract (``read_batch``):
   per 32 MB or 50,000 rows), so the driver holds a bounded amount whatever the backlog; a change-stream batch the
   test server makes larger than its message size (it does not cap batches at 16 MB) is read again in smaller
   batches (``client.ChangeCursor``), so a backlog of large documents streams through.
-- Rows: insert -> ``c`` with the inserted document; update or replace -> ``u`` with the looked-up document. The
+- Rows: insert -> ``c`` with the inserted document; update or replace -> ``u`` with the looked-up document (its
+  declared fields typed by ``typed_fields``, as a snapshot read types them). The
   looked-up document is the one at the time the event is read, possibly newer than the event: the mirror row then
   holds a newer document at the event's position, and every later event of that ``_id`` is applied after it, the
   last with a lookup after the last change, so the mirror ends exact. When the lookup finds nothing (the document
@@ -61,12 +62,19 @@ REACH_SECONDS = 10.0
 SPILL_BYTES = 32 << 20  # a table's buffered rows written as a row group past this (canonical JSON bytes)
 SPILL_ROWS = 50_000
 ENDING = ("drop", "rename", "dropDatabase", "invalidate")
-CHANGE_SCHEMA = pa.schema([
-    ("_cdc_op", pa.string()), ("_cdc_position", pa.int64()), ("_cdc_seq", pa.int64()),
-    ("_cdc_ts", pa.timestamp("us", tz="UTC")), ("_cdc_before_key_only", pa.bool_()),
-    ("_cdc_unchanged", pa.list_(pa.string())), ("after", pa.struct(list(ARROW_SCHEMA))),
-    ("before", pa.struct(list(ARROW_SCHEMA))),
-])  # fmt: skip
+
+
+def change_schema(schema: pa.Schema = ARROW_SCHEMA) -> pa.Schema:
+    """Changelog rows of a collection whose lake columns are ``schema`` (its declared fields typed)."""
+    return pa.schema([
+        ("_cdc_op", pa.string()), ("_cdc_position", pa.int64()), ("_cdc_seq", pa.int64()),
+        ("_cdc_ts", pa.timestamp("us", tz="UTC")), ("_cdc_before_key_only", pa.bool_()),
+        ("_cdc_unchanged", pa.list_(pa.string())), ("after", pa.struct(list(schema))),
+        ("before", pa.struct(list(schema))),
+    ])  # fmt: skip
+
+
+CHANGE_SCHEMA = change_schema()
 
 
 @dataclass
@@ -240,7 +248,7 @@ def read_batch(
     if on_bound is not None:
         on_bound(bound)
     cursors: dict[str, clients.ChangeCursor] = {}
-    spill = Spill(spill_dir)
+    spill = Spill(spill_dir, {name: change_schema(table.arrow_schema) for name, table in by_name.items()})
     try:
         for name, table in by_name.items():
             cursors[name] = _guarded(table, lambda table=table: open_stream(client, table, start, full_document))
@@ -321,10 +329,11 @@ def _row(event: Event) -> dict[str, Any] | None:
         document = raw.get("fullDocument")
         if not isinstance(document, Mapping) or "_id" not in document:
             return None  # deleted since the event (see the module docstring)
-        return {**base, "_cdc_op": "c" if operation == "insert" else "u", "after": document_row(dict(document)),
-                "before": None}  # fmt: skip
+        after = document_row(dict(document), event.table.fields)
+        return {**base, "_cdc_op": "c" if operation == "insert" else "u", "after": after, "before": None}
     if operation == "delete":
         key = (raw.get("documentKey") or {})["_id"]
+        # the key alone (declared fields NULL, as the document)
         before = {KEY_COLUMN: id_key(key), "_id": canonical_json(key), "document": None, "_cdc_unrepresentable": None}
         return {**base, "_cdc_op": "d", "_cdc_before_key_only": True, "after": None, "before": before}
     return None
@@ -341,10 +350,12 @@ class SpilledTable:
 class Spill:
     """A batch's rows on disk as they are taken: one Parquet file per table, a row group written whenever a table's
     buffered rows pass ``SPILL_BYTES`` (canonical JSON bytes) or ``SPILL_ROWS``; the driver holds at most that much
-    per table, whatever the batch's size."""
+    per table, whatever the batch's size. ``schemas``: a table's changelog schema (``change_schema``; default
+    ``CHANGE_SCHEMA``, no declared fields)."""
 
-    def __init__(self, spill_dir: Path) -> None:
+    def __init__(self, spill_dir: Path, schemas: Mapping[str, pa.Schema] | None = None) -> None:
         self.spill_dir = spill_dir
+        self.schemas = dict(schemas or {})
         self.buffers: dict[str, list[dict[str, Any]]] = {}
         self.buffered_bytes: dict[str, int] = {}
         self.writers: dict[str, pq.ParquetWriter] = {}
@@ -365,9 +376,9 @@ class Spill:
         if name not in self.writers:
             path = self.spill_dir / f"t{len(self.writers):04d}" / "part-00000.parquet"
             path.parent.mkdir(parents=True, exist_ok=True)
-            self.writers[name] = pq.ParquetWriter(path, CHANGE_SCHEMA)
+            self.writers[name] = pq.ParquetWriter(path, self.schemas.get(name, CHANGE_SCHEMA))
             self.tables[name] = SpilledTable(path, 0, 0, 0)
-        self.writers[name].write_table(pa.Table.from_pylist(rows, schema=CHANGE_SCHEMA))
+        self.writers[name].write_table(pa.Table.from_pylist(rows, schema=self.schemas.get(name, CHANGE_SCHEMA)))
         table = self.tables[name]
         table.changes += len(rows)
         table.parts += 1
