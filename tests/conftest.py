@@ -34,21 +34,23 @@ BACKGROUND_RUNS = {  # fixture -> (stash key, start, work dir, the run it follow
 }  # fmt: skip
 
 
-# test folders whose tests run before the torture runs start: the browser tests wait (with timeouts) for runs of a
-# ``dagster dev`` that each start a Spark driver, and the torture runs' first minutes (three Spark drivers starting,
-# every chunk snapshotted) doubled their time (162 s alone, 343 s beside them in a suite run)
-BEFORE_TORTURE_RUNS = ("browser",)
+# tests (paths under tests/) that run before the torture runs start: they wait for other processes with timeouts
+# and retries, which the torture runs' first minutes (three Spark drivers starting, every chunk snapshotted)
+# stretched most: the browser tests' runs of ``dagster dev`` (the added-table test: 162 s alone, 343 s beside them),
+# then the consistency checks, which wait for a stream beside them (the drift test: 108 s alone, 433 s beside them
+# once the runs started after the browser tests; that module took 717 s instead of 339)
+BEFORE_TORTURE_RUNS = ("browser/", "integration/test_consistency.py")
 TORTURE_RUNS_STARTED = pytest.StashKey[bool]()
 
 
 @pytest.hookimpl(tryfirst=True)  # before the test's fixtures, which read the stash
 def pytest_runtest_setup(item: pytest.Item) -> None:
     """Start the torture runs whose tests were selected (see ``tests/tools/torture_support.py``) at the first test
-    outside ``BEFORE_TORTURE_RUNS``: they then run beside the tests after it, in the background."""
+    not under ``BEFORE_TORTURE_RUNS``: they then run beside the tests after it, in the background."""
     config = item.config
     if config.stash.get(TORTURE_RUNS_STARTED, False):
         return
-    if Path(item.path).resolve().relative_to(ROOT / "tests").parts[0] in BEFORE_TORTURE_RUNS:
+    if Path(item.path).resolve().relative_to(ROOT / "tests").as_posix().startswith(BEFORE_TORTURE_RUNS):
         return
     config.stash[TORTURE_RUNS_STARTED] = True
     items = item.session.items
@@ -70,13 +72,13 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
 
 @pytest.fixture(scope="session")
 def broken_torture_run(request: pytest.FixtureRequest) -> BackgroundRun:
-    """The background ``--broken-reconciliation`` run (started at the first test after the browser tests)."""
+    """The background ``--broken-reconciliation`` run (started at the first test after ``BEFORE_TORTURE_RUNS``)."""
     return request.config.stash[BROKEN_TORTURE_RUN]
 
 
 @pytest.fixture(scope="session")
 def faulted_torture_run(request: pytest.FixtureRequest) -> BackgroundRun:
-    """The background run with faults (started at the first test after the browser tests)."""
+    """The background run with faults (started at the first test after ``BEFORE_TORTURE_RUNS``)."""
     return request.config.stash[FAULTED_TORTURE_RUN]
 
 
