@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import subprocess
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import psycopg
+import pymongo
 import pytest
 
 from tests.integration.mongo_support import REAL_MONGODB_URI_ENV, real_mongodb_uri, start_mongo_test_server
@@ -118,6 +120,15 @@ def mongo_server() -> Iterator[str]:
         yield server.uri
     finally:
         server.stop()
+
+
+@pytest.fixture()
+def database_name(mongo_server: str) -> Iterator[str]:
+    """A fresh MongoDB database name on the test server for one test; the database is dropped after it."""
+    name = f"cdc_{uuid.uuid4().hex[:10]}"
+    yield name
+    with pymongo.MongoClient(mongo_server) as client:
+        client.drop_database(name)
 
 
 @pytest.fixture(scope="session")

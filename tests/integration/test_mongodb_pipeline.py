@@ -35,7 +35,6 @@ import random
 import threading
 import time
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -61,14 +60,6 @@ from cdc_assets.sources.mongodb.dialect import MongoDialect, MongoWindow
 from cdc_assets.sources.mongodb.watermark import MongoSettledRule, position_of
 from resources.cdc import CdcResource
 from tests.pipeline_support import KILLS, FaultPoints, Killed, Stream
-
-
-@pytest.fixture()
-def database_name(mongo_server: str) -> Iterator[str]:
-    name = f"cdc_{uuid.uuid4().hex[:10]}"
-    yield name
-    with pymongo.MongoClient(mongo_server) as client:
-        client.drop_database(name)
 
 
 def source_config(

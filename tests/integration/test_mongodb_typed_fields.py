@@ -16,14 +16,11 @@ server (``mongo_server``), real Spark and Delta.
 from __future__ import annotations
 
 import datetime as dt
-import uuid
-from collections.abc import Iterator
 from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
 import pymongo
-import pytest
 from bson.decimal128 import Decimal128
 from bson.int64 import Int64
 from pyspark.sql import functions as F
@@ -41,14 +38,6 @@ FIELDS = {
     "score": "double", "small": "int", "born": "date", "blob": "binary",
 }  # fmt: skip
 NOON = dt.datetime(2024, 5, 1, 12, 30, 15, 123000)
-
-
-@pytest.fixture()
-def database_name(mongo_server: str) -> Iterator[str]:
-    name = f"cdc_{uuid.uuid4().hex[:10]}"
-    yield name
-    with pymongo.MongoClient(mongo_server) as client:
-        client.drop_database(name)
 
 
 def product(i: int) -> dict[str, Any]:
