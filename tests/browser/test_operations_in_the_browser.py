@@ -74,12 +74,9 @@ def slot_position(ui: DagsterUi) -> str:
 
 def latest_offset_event(ui: DagsterUi) -> int | None:
     """The storage id of the stream asset's latest materialization (its recorded offset), None before any."""
-    instance = ui.instance()
-    try:
+    with ui.instance() as instance:
         records = instance.fetch_materializations(stream_asset_key(SOURCE), limit=1).records
         return records[0].storage_id if records else None
-    finally:
-        instance.dispose()
 
 
 def wait_until_shown(page: Page, locator: Locator, timeout_ms: int) -> None:
@@ -218,36 +215,25 @@ def test_a_table_added_at_the_source_is_planned_after_reload_definitions_and_two
 
 
 def backfill_runs(ui: DagsterUi, backfill_id: str) -> list:
-    instance = ui.instance()
-    try:
+    with ui.instance() as instance:
         return list(instance.get_runs(filters=RunsFilter(tags={BACKFILL_ID_TAG: backfill_id})))
-    finally:
-        instance.dispose()
 
 
 def backfill_ids(ui: DagsterUi) -> list[str]:
-    instance = ui.instance()
-    try:
+    with ui.instance() as instance:
         return [b.backfill_id for b in instance.get_backfills(limit=50)]
-    finally:
-        instance.dispose()
 
 
 def materialized_partitions(ui: DagsterUi, asset_key: AssetKey) -> Counter[str]:
     """How many times each partition of the asset was materialized."""
-    instance = ui.instance()
-    try:
+    with ui.instance() as instance:
         records = instance.fetch_materializations(asset_key, limit=1000).records
-    finally:
-        instance.dispose()
     return Counter(r.asset_materialization.partition for r in records if r.asset_materialization is not None)
 
 
-def open_backfill_action(page: Page, ui: DagsterUi, backfill_id: str, action: str) -> None:
-    """On the backfill's page: the actions menu (the button beside its title), then ``action``."""
-    page.goto(f"{ui.url}/runs/b/{backfill_id}")
-    menu = page.get_by_role("button").filter(has=page.get_by_role("img", name="expand_more"))
-    menu.first.click()
+def choose_backfill_action(page: Page, action: str) -> None:
+    """On a backfill's page: the actions menu (the button beside its title), then ``action``."""
+    page.get_by_role("button").filter(has=page.get_by_role("img", name="expand_more")).first.click()
     page.get_by_role("menuitem", name=action).click()
 
 
@@ -276,8 +262,7 @@ def test_a_twenty_chunk_snapshot_paused_from_the_ui_resumes_with_only_the_chunks
         assert time.monotonic() < deadline, f"backfill {first} materialized no chunk"
         assert not any(r.status == DagsterRunStatus.FAILURE for r in backfill_runs(dagster_ui, first))
         time.sleep(1)
-    page.get_by_role("button").filter(has=page.get_by_role("img", name="expand_more")).first.click()
-    page.get_by_role("menuitem", name="Cancel backfill").click()
+    choose_backfill_action(page, "Cancel backfill")
     page.get_by_role("dialog").get_by_role("button", name="Cancel backfill").click()
     status = wait_for_backfill(page, dagster_ui, first)
     expect(status).to_have_text("Canceled")
@@ -288,7 +273,8 @@ def test_a_twenty_chunk_snapshot_paused_from_the_ui_resumes_with_only_the_chunks
     statuses = sorted(r.status.value for r in backfill_runs(dagster_ui, first))
     assert statuses in (["CANCELED", "CANCELED"], ["CANCELED", "SUCCESS"]), statuses
 
-    open_backfill_action(page, dagster_ui, first, "Re-execute from failure")
+    page.goto(f"{dagster_ui.url}/runs/b/{first}")
+    choose_backfill_action(page, "Re-execute from failure")
     deadline = time.monotonic() + RUN_TIMEOUT_MS / 1000
     while not (resumed := set(backfill_ids(dagster_ui)) - known - {first}):
         assert time.monotonic() < deadline, "Re-execute from failure launched no backfill"
