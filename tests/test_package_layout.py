@@ -1,4 +1,4 @@
-"""The package layout (README, "Layout"): the generic packages import no database driver and no source package, and
+"""The package layout (docs/layout.md): the generic packages import no database driver and no source package, and
 no module of ``cdc_assets`` imports another in a circle. Read from the source text (every ``import`` statement,
 also inside functions and ``if TYPE_CHECKING:``), so a lazy import cannot hide a circle."""
 
