@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 import psycopg
@@ -19,6 +20,7 @@ from cdc_assets.sources.postgres.catalog import (
     with_current_columns,
 )
 from cdc_assets.sources.postgres.connection import SourceError, connect
+from cdc_assets.sources.postgres.lsn import format_lsn, parse_lsn
 from cdc_assets.sources.postgres.pgoutput import Begin, Commit, PgOutputDecoder, RowChange
 from cdc_assets.sources.postgres.snapshot import chunk_select, plan_chunks, take_high_watermark, take_low_watermark
 from cdc_assets.sources.postgres.watermark import settled_at_low_watermark, widen_xid
@@ -134,6 +136,70 @@ def _savepoint_scenario(reader: psycopg.Connection, writer: psycopg.Connection, 
     high = take_high_watermark(reader)
     commit = [m for m in peek(admin, "admin_slot", "admin_pub") if isinstance(m, Commit)][-1]
     assert commit.end_lsn <= high  # a visible transaction's commit record ends before the high watermark
+
+
+def lsn_now(conn: psycopg.Connection, function: str) -> int:
+    return parse_lsn(conn.execute(f"select {function}()::text").fetchone()[0])
+
+
+def emit(admin: psycopg.Connection, payload: int) -> None:
+    """A non-transactional logical message of ``payload`` bytes: WAL without a transaction id, flushed soon after
+    (its statement's end asks the WAL writer to)."""
+    admin.execute("select pg_logical_emit_message(false, 'pad', repeat('x', %s))", [payload])
+
+
+def end_the_wal_at_a_pages_end(admin: psycopg.Connection, block: int) -> int:
+    """Pad the WAL with logical messages until the inserted WAL ends exactly at a page's end; that position."""
+    header = None
+    for _ in range(40):  # other WAL (autovacuum, the checkpointer) may come between: measure and try again
+        before = lsn_now(admin, "pg_current_wal_insert_lsn")
+        room = block - before % block
+        if header is None or room - header < 300:
+            if room < 3000:
+                emit(admin, room + 500)  # onto the next page (a record may span pages)
+                continue
+            emit(admin, 1000)
+            size = lsn_now(admin, "pg_current_wal_insert_lsn") - before
+            header = size - 1000  # payload + header, aligned to 8: header within 7 bytes of the exact one
+            for extra in range(1, 9):
+                start = lsn_now(admin, "pg_current_wal_insert_lsn")
+                emit(admin, 1000 + extra)
+                if lsn_now(admin, "pg_current_wal_insert_lsn") - start > size:  # passed a multiple of 8
+                    header = size + 1 - 1000 - extra
+                    break
+            continue
+        emit(admin, room - header)
+        after = lsn_now(admin, "pg_current_wal_insert_lsn")
+        if after == before + room + 24 and after % block == 24:
+            return before + room
+    raise AssertionError("could not end the WAL at a page's end in 40 tries")
+
+
+def test_the_high_watermark_on_an_idle_server_is_reached_when_the_wal_ends_at_a_pages_end(
+    admin: psycopg.Connection,
+) -> None:
+    """A suite run met it: the last record ended exactly at a page's end, ``pg_current_wal_insert_lsn()`` named the
+    next page's first record (past its 24-byte header), and the server's flush position stayed at the page's end
+    while nothing more was written: a window with that high watermark was never reached by the stream of an idle
+    server. The high watermark is the end of the inserted WAL, which the flush reaches."""
+    (block,) = admin.execute("select current_setting('wal_block_size')::int").fetchone()
+    reader = connect(source_config().connection, "t")
+    try:
+        for _ in range(5):
+            page_end = end_the_wal_at_a_pages_end(admin, block)
+            deadline = time.monotonic() + 10
+            while lsn_now(admin, "pg_current_wal_flush_lsn") < page_end and time.monotonic() < deadline:
+                time.sleep(0.05)
+            high = take_high_watermark(reader)
+            if lsn_now(admin, "pg_current_wal_insert_lsn") == page_end + 24:  # nothing was written meanwhile
+                break
+        else:
+            raise AssertionError("other WAL came between every try")
+        flush = lsn_now(admin, "pg_current_wal_flush_lsn")
+        assert flush == page_end, (format_lsn(flush), format_lsn(page_end))
+        assert high == page_end, (format_lsn(high), format_lsn(page_end))  # not past the next page's header
+    finally:
+        reader.close()
 
 
 def test_begin_and_commit_frame_every_change(admin: psycopg.Connection) -> None:

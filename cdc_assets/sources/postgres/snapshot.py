@@ -4,8 +4,9 @@ Contract:
 - ``plan_chunks`` returns a ``ChunkPlan`` for a captured table: an even split for a dense single integer key,
   otherwise boundaries found by ordered ``LIMIT`` scans over the key (uses the primary-key index).
 - ``take_low_watermark`` returns ``pg_current_snapshot()`` (step 1 of the window) and ``take_high_watermark``
-  returns ``pg_current_wal_insert_lsn()`` (``pg_last_wal_replay_lsn()`` on a standby) (step 3). Both assign no xid
-  and write nothing.
+  returns the end of the WAL inserted so far: ``pg_current_wal_insert_lsn()``, except that where it points past an
+  empty page's header it is the page's start (``lsn.end_of_inserted_wal``; ``pg_last_wal_replay_lsn()`` on a standby)
+  (step 3). Both assign no xid and write nothing.
 - ``chunk_select`` is the SELECT of one chunk (or a sub-range of it) for ``COPY (...) TO STDOUT``: all columns,
   ``lo <= key < hi`` as a row comparison, bound values cast to the key column types. For text keys whose collation
   is not byte-ordered the comparisons use ``COLLATE "C"``, so that PostgreSQL and Spark agree on chunk membership.
@@ -32,7 +33,7 @@ from cdc_assets.engine.chunks import (
 )
 from cdc_assets.engine.row_filter import NO_VALUE_OPERATORS, FilterTerm, RowFilter, RowFilterError
 from cdc_assets.sources.postgres.catalog import CapturedTable
-from cdc_assets.sources.postgres.lsn import parse_lsn
+from cdc_assets.sources.postgres.lsn import end_of_inserted_wal, parse_lsn
 from cdc_assets.sources.postgres.watermark import LowWatermark
 
 INTEGER_TYPES = {"smallint", "integer", "bigint"}
@@ -177,9 +178,16 @@ def max_integer_key(conn: psycopg.Connection, table: CapturedTable) -> int | Non
 
 
 def take_high_watermark(conn: psycopg.Connection) -> int:
-    function = "pg_last_wal_replay_lsn" if in_recovery(conn) else "pg_current_wal_insert_lsn"
-    (lsn,) = conn.execute(f"select {function}()::text").fetchone()
-    return parse_lsn(lsn)
+    """The end of the WAL inserted so far (``end_of_inserted_wal``: a stream on an idle server reaches it), or on a
+    standby the end of the last record replayed."""
+    if in_recovery(conn):
+        (lsn,) = conn.execute("select pg_last_wal_replay_lsn()::text").fetchone()
+        return parse_lsn(lsn)
+    lsn, block_size, segment_size = conn.execute(
+        "select pg_current_wal_insert_lsn()::text, current_setting('wal_block_size')::int, "
+        "(select setting::bigint from pg_settings where name = 'wal_segment_size')"
+    ).fetchone()
+    return end_of_inserted_wal(parse_lsn(lsn), int(block_size), int(segment_size))
 
 
 def sub_ranges(table: CapturedTable, chunk: Chunk, parts: int, observed_max: int | None) -> list[Chunk]:
