@@ -47,7 +47,7 @@ def test_short_form_with_faults_passes(faulted_torture_run: BackgroundRun) -> No
 
 
 @pytest.mark.timeout(2800)
-def test_broken_reconciliation_is_caught(broken_torture_run: BackgroundRun) -> None:
+def test_broken_reconciliation_is_caught(broken_torture_run: Run) -> None:
     returncode, output, tail = broken_torture_run.result()
     assert returncode == 1, f"rc={returncode}\n{tail}"
     assert re.search(r"^seed 903: FAIL (table|changelog) public\.\w+", output, re.M), tail

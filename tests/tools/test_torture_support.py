@@ -42,3 +42,22 @@ def test_a_stopped_chained_run_never_starts(tmp_path: Path) -> None:
     before.process.wait()
     chained.thread.join(5)
     assert not started
+
+
+def test_a_run_chained_after_a_chained_run_starts_after_both(tmp_path: Path) -> None:
+    first = _run(tmp_path, "first", "import time; time.sleep(0.6)")
+    order: list[str] = []
+
+    def second_start() -> BackgroundRun:
+        order.append("second")
+        return _run(tmp_path, "second", "import time; time.sleep(0.6)")
+
+    def third_start() -> BackgroundRun:
+        order.append("third")
+        assert second.run is not None and second.run.process.poll() is not None  # the second has ended
+        return _run(tmp_path, "third", "print('seed 905: PASS')")
+
+    second = ChainedRun(first, second_start)
+    third = ChainedRun(second, third_start)
+    assert third.result()[:2] == (0, "seed 905: PASS\n")
+    assert order == ["second", "third"]

@@ -55,6 +55,10 @@ class BackgroundRun:
     work_dir: Path
     output: Path
 
+    def wait(self) -> None:
+        """Until the run has ended."""
+        self.process.wait()
+
     def result(self) -> tuple[int, str, str]:
         returncode = self.process.wait(timeout=TIMEOUT)
         harness_log(self.work_dir)
@@ -106,21 +110,28 @@ def start_broken_run(work_dir: Path) -> BackgroundRun:
 
 
 class ChainedRun:
-    """A background run started only once another one (``before``) has ended, so that no more than two harness runs
-    (each with its Spark drivers) run beside the suite's tests at a time. Same interface as ``BackgroundRun``."""
+    """A background run started only once another one (``before``, itself possibly chained) has ended, so that one
+    harness run (with its Spark drivers) runs beside the suite's tests at a time. Same interface as
+    ``BackgroundRun``."""
 
-    def __init__(self, before: BackgroundRun, start: Callable[[], BackgroundRun]) -> None:
+    def __init__(self, before: BackgroundRun | ChainedRun, start: Callable[[], BackgroundRun]) -> None:
         self.lock = threading.Lock()
         self.cancelled = False
         self.run: BackgroundRun | None = None
         self.thread = threading.Thread(target=self._chain, args=(before, start), daemon=True)
         self.thread.start()
 
-    def _chain(self, before: BackgroundRun, start: Callable[[], BackgroundRun]) -> None:
-        before.process.wait()
+    def _chain(self, before: BackgroundRun | ChainedRun, start: Callable[[], BackgroundRun]) -> None:
+        before.wait()
         with self.lock:
             if not self.cancelled:
                 self.run = start()
+
+    def wait(self) -> None:
+        """Until the run has ended, or was never started (stopped, or the run before it never ended)."""
+        self.thread.join()
+        if self.run is not None:
+            self.run.wait()
 
     def result(self) -> tuple[int, str, str]:
         self.thread.join(TIMEOUT)
