@@ -56,6 +56,7 @@ from bench.common import (
     start_worker,
 )
 from bench.datagen import PacedWorkload, create_hot_table, ensure_table, install_workload
+from cdc_assets.sources.postgres.snapshot import take_inserted_wal_end
 
 SOURCE = "bench_lag"
 HOT = "bench_hot"
@@ -166,13 +167,13 @@ class LagSampler:
 
 @dataclass
 class MarkedWorkload(PacedWorkload):
-    """The paced workload, also recording (wall time, WAL insert LSN) after each step."""
+    """The paced workload, also recording (wall time, end of the inserted WAL) after each step (the raw insert
+    position past an empty page's header is one the slot never passes while the server idles)."""
 
     marks: list[tuple[float, int]] = field(default_factory=list)
 
     def after_step(self, conn: psycopg.Connection) -> None:
-        (lsn,) = conn.execute("select pg_current_wal_insert_lsn()::text").fetchone()
-        self.marks.append((time.time(), lsn_int(lsn)))
+        self.marks.append((time.time(), take_inserted_wal_end(conn)))
 
 
 def lag_seconds(marks: list[tuple[float, int]], at: float, confirmed: int) -> float:

@@ -67,6 +67,7 @@ from bench.common import (
 )
 from bench.datagen import create_hot_table, install_workload, run_workload
 from cdc_assets.config import StreamConfig
+from cdc_assets.sources.postgres.snapshot import take_inserted_wal_end
 
 SOURCE = "bench_stream"
 TABLE = "bench_stream"
@@ -95,8 +96,9 @@ def _pg_cpu(usage: dict[str, Any]) -> float | None:
 
 
 def wait_flushed(conn: psycopg.Connection) -> int:
-    """Wait until the WAL written so far is flushed (peek decodes only flushed WAL); returns that LSN."""
-    target = lsn_int(conn.execute("select pg_current_wal_insert_lsn()::text").fetchone()[0])
+    """Wait until the WAL written so far is flushed (peek decodes only flushed WAL); returns that LSN (the end of
+    the inserted WAL: the raw insert position past an empty page's header is never flushed while the server idles)."""
+    target = take_inserted_wal_end(conn)
     while flush_lsn(conn) < target:
         time.sleep(0.05)
     return target

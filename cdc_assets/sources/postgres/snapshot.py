@@ -183,6 +183,11 @@ def take_high_watermark(conn: psycopg.Connection) -> int:
     if in_recovery(conn):
         (lsn,) = conn.execute("select pg_last_wal_replay_lsn()::text").fetchone()
         return parse_lsn(lsn)
+    return take_inserted_wal_end(conn)
+
+
+def take_inserted_wal_end(conn: psycopg.Connection) -> int:
+    """``end_of_inserted_wal`` of the primary's ``pg_current_wal_insert_lsn()``, in one statement."""
     lsn, block_size, segment_size = conn.execute(
         "select pg_current_wal_insert_lsn()::text, current_setting('wal_block_size')::int, "
         "(select setting::bigint from pg_settings where name = 'wal_segment_size')"
