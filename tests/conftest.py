@@ -58,7 +58,7 @@ def runs_before_torture(item: pytest.Item) -> bool:
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """The tests under ``BEFORE_TORTURE_RUNS`` first (in their order), then the others (in theirs)."""
-    items[:] = [i for i in items if runs_before_torture(i)] + [i for i in items if not runs_before_torture(i)]
+    items.sort(key=lambda item: not runs_before_torture(item))  # stable: each group keeps its order
 
 
 @pytest.hookimpl(tryfirst=True)  # before the test's fixtures, which read the stash

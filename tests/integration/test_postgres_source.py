@@ -20,9 +20,10 @@ from cdc_assets.sources.postgres.catalog import (
     with_current_columns,
 )
 from cdc_assets.sources.postgres.connection import SourceError, connect
-from cdc_assets.sources.postgres.lsn import format_lsn, parse_lsn
+from cdc_assets.sources.postgres.lsn import SHORT_PAGE_HEADER, format_lsn, parse_lsn
 from cdc_assets.sources.postgres.pgoutput import Begin, Commit, PgOutputDecoder, RowChange
 from cdc_assets.sources.postgres.snapshot import chunk_select, plan_chunks, take_high_watermark, take_low_watermark
+from cdc_assets.sources.postgres.stream import current_flush_lsn
 from cdc_assets.sources.postgres.watermark import settled_at_low_watermark, widen_xid
 from tests.integration.support import PG_PORT
 
@@ -138,8 +139,9 @@ def _savepoint_scenario(reader: psycopg.Connection, writer: psycopg.Connection, 
     assert commit.end_lsn <= high  # a visible transaction's commit record ends before the high watermark
 
 
-def lsn_now(conn: psycopg.Connection, function: str) -> int:
-    return parse_lsn(conn.execute(f"select {function}()::text").fetchone()[0])
+def insert_lsn(conn: psycopg.Connection) -> int:
+    """The raw ``pg_current_wal_insert_lsn()`` (where the next record will start)."""
+    return parse_lsn(conn.execute("select pg_current_wal_insert_lsn()::text").fetchone()[0])
 
 
 def emit(admin: psycopg.Connection, payload: int) -> None:
@@ -149,28 +151,24 @@ def emit(admin: psycopg.Connection, payload: int) -> None:
 
 
 def end_the_wal_at_a_pages_end(admin: psycopg.Connection, block: int) -> int:
-    """Pad the WAL with logical messages until the inserted WAL ends exactly at a page's end; that position."""
+    """Pad the WAL with logical messages until the inserted WAL ends exactly at a page's end; that position.
+
+    A message of ``n`` payload bytes takes ``n + h`` bytes rounded up to a multiple of 8; ``header``, measured as
+    ``size - 1000``, is ``h`` rounded up alike. Record positions are multiples of 8, so ``room - header`` bytes of
+    payload fill the ``room`` left on the page exactly."""
     header = None
     for _ in range(40):  # other WAL (autovacuum, the checkpointer) may come between: measure and try again
-        before = lsn_now(admin, "pg_current_wal_insert_lsn")
+        before = insert_lsn(admin)
         room = block - before % block
-        if header is None or room - header < 300:
+        if header is None or room - header < 300:  # above 255 bytes a payload's length takes one encoding
             if room < 3000:
                 emit(admin, room + 500)  # onto the next page (a record may span pages)
                 continue
             emit(admin, 1000)
-            size = lsn_now(admin, "pg_current_wal_insert_lsn") - before
-            header = size - 1000  # payload + header, aligned to 8: header within 7 bytes of the exact one
-            for extra in range(1, 9):
-                start = lsn_now(admin, "pg_current_wal_insert_lsn")
-                emit(admin, 1000 + extra)
-                if lsn_now(admin, "pg_current_wal_insert_lsn") - start > size:  # passed a multiple of 8
-                    header = size + 1 - 1000 - extra
-                    break
+            header = insert_lsn(admin) - before - 1000
             continue
         emit(admin, room - header)
-        after = lsn_now(admin, "pg_current_wal_insert_lsn")
-        if after == before + room + 24 and after % block == 24:
+        if insert_lsn(admin) == before + room + SHORT_PAGE_HEADER:
             return before + room
     raise AssertionError("could not end the WAL at a page's end in 40 tries")
 
@@ -188,14 +186,14 @@ def test_the_high_watermark_on_an_idle_server_is_reached_when_the_wal_ends_at_a_
         for _ in range(5):
             page_end = end_the_wal_at_a_pages_end(admin, block)
             deadline = time.monotonic() + 10
-            while lsn_now(admin, "pg_current_wal_flush_lsn") < page_end and time.monotonic() < deadline:
+            while current_flush_lsn(admin) < page_end and time.monotonic() < deadline:
                 time.sleep(0.05)
             high = take_high_watermark(reader)
-            if lsn_now(admin, "pg_current_wal_insert_lsn") == page_end + 24:  # nothing was written meanwhile
+            if insert_lsn(admin) == page_end + SHORT_PAGE_HEADER:  # nothing was written meanwhile
                 break
         else:
             raise AssertionError("other WAL came between every try")
-        flush = lsn_now(admin, "pg_current_wal_flush_lsn")
+        flush = current_flush_lsn(admin)
         assert flush == page_end, (format_lsn(flush), format_lsn(page_end))
         assert high == page_end, (format_lsn(high), format_lsn(page_end))  # not past the next page's header
     finally:
