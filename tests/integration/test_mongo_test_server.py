@@ -302,6 +302,16 @@ def test_unsupported(db: Database, run: Any, message: str) -> None:
         run(db)
 
 
+def test_the_source_sends_the_split_stage_only_where_the_server_has_it(client: pymongo.MongoClient) -> None:
+    """The test server answers ``buildInfo`` and is no replica set: the source's ``Capabilities`` say it cannot split
+    large events, so its streams never carry the stage it refuses (above)."""
+    from cdc_assets.sources.mongodb.client import Capabilities, splits_large_events
+
+    version = client.admin.command("buildInfo")["versionArray"]
+    assert not splits_large_events(version), version
+    assert Capabilities.of(client) == Capabilities(cluster_time=False, split_large_events=False)
+
+
 def test_no_sessions_hence_no_transactions(db: Database, client: pymongo.MongoClient) -> None:
     with client.start_session() as session:
         session.start_transaction()  # pymongo checks only when the session is first used

@@ -413,14 +413,16 @@ def test_bad_input_gives_clear_messages(spark, mongo_server: str, database_name:
 def test_on_a_real_replica_set(spark, real_mongodb: str, tmp_path: Path, faults: FaultPoints) -> None:
     """Gated (``$CDC_TEST_MONGODB_URI``): the main, the startup and the history-lost scenarios against a real replica
     set or ``mongos`` (there, the recorded offset 1:0 is refused by the server itself, error 286, where the source's
-    user may not read ``local.oplog.rs``; the window's start is then found by change-stream probes)."""
-    names = [f"cdc_{uuid.uuid4().hex[:10]}" for _ in range(3)]
-    for folder in ("main", "startup", "lost"):
+    user may not read ``local.oplog.rs``; the window's start is then found by change-stream probes), and change
+    events larger than 16 MB."""
+    names = [f"cdc_{uuid.uuid4().hex[:10]}" for _ in range(4)]
+    for folder in ("main", "startup", "lost", "large"):
         (tmp_path / folder).mkdir()
     try:
         run_main_scenario(spark, real_mongodb, names[0], tmp_path / "main", faults)
         run_startup_scenario(spark, real_mongodb, names[1], tmp_path / "startup", test_server=False)
         run_history_lost_scenario(spark, real_mongodb, names[2], tmp_path / "lost")
+        run_large_event_scenario(spark, real_mongodb, names[3], tmp_path / "large")
     finally:
         with pymongo.MongoClient(real_mongodb) as client:
             for name in names:
@@ -711,6 +713,33 @@ def test_the_oplog_window_of_the_test_server(mongo_server: str, database_name: s
                                                                                "local.oplog.rs")  # fmt: skip
         assert window.reaches(first - 1) and not window.reaches(first - 2)
         assert history.probe_start(client, table, (1 << 32) | 1) and history.probe_start(client, table, first + 5)
+
+
+def run_large_event_scenario(spark, uri: str, database: str, tmp_path: Path) -> None:
+    """Updates of a document near 16 MB (``updateLookup``: the event holds the whole document and the update's
+    fields, over 16 MB): on a server that splits large events (7.0, 6.0.9+) they stream through and the mirror is
+    exact; on one that cannot, the batch stops naming the collection and the way on, and the offset stays."""
+    near_limit = 15 * 2**20 + 900 * 2**10
+    with pymongo.MongoClient(uri) as client:
+        items = client[database]["items"]
+        items.insert_many([{"_id": 1, "blob": "a" * near_limit}, {"_id": 2, "v": 0}])
+        config, source = source_config(uri, tmp_path / "lake", database, chunk_size=20)
+        dialect = MongoDialect(source, tmp_path / "lake" / "docs" / "_cdc")
+        pipeline = CdcPipeline(config, source, dialect)
+        table = pipeline.prepare()[f"{database}.items"]
+        pipeline.snapshot(spark, table, [c.index for c in pipeline.plan(table).chunks], "first")
+        stream = Stream(pipeline, spark)
+        stream.catch_up()
+        items.update_one({"_id": 1}, {"$set": {"blob": "b" * near_limit}})  # event: two copies, ~31.8 MB
+        items.update_one({"_id": 2}, {"$set": {"v": 1}})
+        if dialect.capabilities.split_large_events:
+            stream.catch_up()
+            assert_exact(spark, pipeline, items)
+        else:
+            recorded = dict(stream.recorded or {})
+            with pytest.raises(PermanentBatchError, match=rf"collection {database}\.items: a change event is larger"):
+                stream.batch()
+            assert stream.recorded == recorded
 
 
 def run_history_lost_scenario(spark, uri: str, database: str, tmp_path: Path) -> None:

@@ -11,7 +11,14 @@ Contract:
   driver's text.
 - ``Capabilities.of(client)``: whether the server keeps cluster times (a replica set or ``mongos``: replies carry
   ``operationTime``, sessions and ``afterClusterTime`` work, change-stream batches carry a post-batch resume token).
-  The test server (mongo-java-server) keeps none of these.
+  The test server (mongo-java-server) keeps none of these. And whether it splits a change event larger than 16 MB
+  into fragments (``$changeStreamSplitLargeEvent``: MongoDB 7.0 and later, 6.0 from 6.0.9; ``splits_large_events``).
+- ``ChangeCursor``: one collection's change stream, event by event. Where the server splits large events the stage
+  ends its pipeline, and a split event's fragments are returned as the one event they were cut from
+  (``assemble_split_event``), with the last fragment's resume token: without the stage an update of a document near
+  16 MB (``updateLookup`` adds the whole document to the event) fails every read of the stream with
+  ``BSONObjectTooLarge``, so the stream could never pass it. A server without the stage still fails there; the
+  error names the collection and the way on (``split_event_hint``).
 - ``current_position(...)``: the position (``watermark.position_of``) the change stream has reached now. With
   cluster times: the ``operationTime`` of a ``ping`` in a causally consistent session (the node's last applied
   cluster time). Without (the test server): the newest event of the captured collections' change streams, read from
@@ -27,7 +34,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -108,9 +115,65 @@ def source_error(error: BaseException, connection: MongoConnection, doing: str) 
     )
 
 
+SPLIT_EVENT = "splitEvent"
+SPLIT_STAGE = {"$changeStreamSplitLargeEvent": {}}
+TOO_LARGE_CODES = (10334, 17419)  # BSONObjectTooLarge; "resulting document after ... exceeds" (an event's size)
+
+
+def splits_large_events(version: Sequence[int]) -> bool:
+    """Whether a server of ``version`` (``buildInfo``'s ``versionArray``) has ``$changeStreamSplitLargeEvent``:
+    7.0 and later, and 6.0 from 6.0.9 (not the 6.1-6.3 rapid releases)."""
+    release = tuple([*version[:3], 0, 0, 0][:3])
+    return release >= (7, 0, 0) or (6, 0, 9) <= release < (6, 1, 0)
+
+
+def assemble_split_event(fragments: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """The change event ``$changeStreamSplitLargeEvent`` cut into ``fragments`` (each with ``splitEvent: {fragment,
+    of}``, numbered from 1, in order): every field from the fragment that holds it, and the resume token (``_id``) of
+    the last fragment, so that resuming after the event resumes after all of it. ``ValueError`` when fragments are
+    missing, out of order or disagree on a field."""
+    if not fragments:
+        raise ValueError("a split change event without fragments")
+    total = fragments[0][SPLIT_EVENT]["of"]
+    numbers = [(f[SPLIT_EVENT]["fragment"], f[SPLIT_EVENT]["of"]) for f in fragments]
+    if numbers != [(n, total) for n in range(1, total + 1)]:
+        raise ValueError(f"a split change event's fragments (fragment, of) are {numbers}: expected 1 to {total}")
+    event: dict[str, Any] = {}
+    for fragment in fragments:
+        for name, value in fragment.items():
+            if name in ("_id", SPLIT_EVENT):
+                continue
+            if name in event and event[name] != value:
+                raise ValueError(f"a split change event's fragments disagree on its field {name!r}")
+            event[name] = value
+    event["_id"] = fragments[-1]["_id"]
+    return event
+
+
+def whole_split_event(first: Mapping[str, Any], next_fragment: Callable[[], Mapping[str, Any]]) -> dict[str, Any]:
+    """The split event whose first fragment is ``first``, its other fragments read with ``next_fragment``."""
+    fragments = [first]
+    while len(fragments) < first[SPLIT_EVENT]["of"]:
+        fragments.append(next_fragment())
+    return assemble_split_event(fragments)
+
+
+def split_event_hint(error: OperationFailure, collection: str) -> str | None:
+    """The way on when ``error`` is a change event too large for a reply, else None."""
+    if error.code not in TOO_LARGE_CODES and "BSONObjectTooLarge" not in str(error):
+        return None
+    return (
+        f"collection {collection}: a change event is larger than 16 MB (a document near 16 MB with "
+        "full_document: updateLookup) and this server cannot split it ($changeStreamSplitLargeEvent needs MongoDB "
+        "6.0.9 or 7.0+): upgrade the server; until then the stream stops before this event (its offset stays, "
+        "nothing is lost)"
+    )
+
+
 @dataclass(frozen=True)
 class Capabilities:
     cluster_time: bool  # replies carry operationTime; sessions, afterClusterTime, post-batch resume tokens
+    split_large_events: bool = False  # $changeStreamSplitLargeEvent
 
     @classmethod
     def of(cls, client: pymongo.MongoClient) -> Capabilities:
@@ -119,7 +182,11 @@ class Capabilities:
         except OperationFailure:  # the test server knows only the legacy name
             hello = client.admin.command("isMaster")
         replicated = "setName" in hello or hello.get("msg") == "isdbgrid"
-        return cls(cluster_time=replicated and "logicalSessionTimeoutMinutes" in hello)
+        version = client.admin.command("buildInfo").get("versionArray", [0])
+        return cls(
+            cluster_time=replicated and "logicalSessionTimeoutMinutes" in hello,
+            split_large_events=replicated and splits_large_events(version),
+        )
 
 
 class ChangeCursor:
@@ -129,13 +196,17 @@ class ChangeCursor:
     events of a 12 MB document) failed with "Message length ... is larger than server max message size". On that
     error the stream is opened again after the last event it returned (``resume_after`` its token; before any
     event, at ``start`` again) with a batch a sixteenth as large, down to one event; a real server never sends such
-    a batch."""
+    a batch.
+
+    With ``split_large_events`` the pipeline ends with ``$changeStreamSplitLargeEvent`` and ``try_next`` returns a
+    split event whole (``assemble_split_event``); the stream is only ever resumed after a whole event."""
 
     def __init__(
         self, collection: Collection, start: int, full_document: str | None = None,
-        pipeline: Sequence[Mapping[str, Any]] = (),
+        pipeline: Sequence[Mapping[str, Any]] = (), split_large_events: bool = False,
     ) -> None:  # fmt: skip
-        self.collection, self.start, self.full_document, self.pipeline = collection, start, full_document, pipeline
+        self.collection, self.start, self.full_document = collection, start, full_document
+        self.pipeline = [*pipeline, SPLIT_STAGE] if split_large_events else list(pipeline)
         self.batch_size = STREAM_BATCH_SIZE
         self.last_token: Mapping[str, Any] | None = None
         self.stream = self._open()
@@ -164,6 +235,8 @@ class ChangeCursor:
         while True:
             try:
                 raw = self.stream.try_next()
+                if raw is not None and SPLIT_EVENT in raw:
+                    raw = self._whole(raw)
             except ProtocolError as error:
                 self._smaller(error)
                 self.stream.close()
@@ -172,6 +245,11 @@ class ChangeCursor:
             if raw is not None:
                 self.last_token = raw["_id"]
             return raw
+
+    def _whole(self, first: dict[str, Any]) -> dict[str, Any]:
+        # the other fragments are in the same oplog entry, so the stream returns them next (``next`` waits for a
+        # ``getMore`` when a batch ended between them)
+        return whole_split_event(first, self.stream.next)
 
     @property
     def resume_token(self) -> Mapping[str, Any] | None:

@@ -106,18 +106,23 @@ class StreamBatch:
 
 
 def open_stream(
-    client: pymongo.MongoClient, table: CapturedCollection, start: int, full_document: str
+    client: pymongo.MongoClient, table: CapturedCollection, start: int, full_document: str, split_large_events: bool
 ) -> clients.ChangeCursor:
-    return clients.ChangeCursor(client[table.database][table.collection], start, full_document)
+    collection = client[table.database][table.collection]
+    return clients.ChangeCursor(collection, start, full_document, split_large_events=split_large_events)
 
 
 def _guarded(table: CapturedCollection, action: Callable[[], _T]) -> _T:
-    """``action()``, with the server's history-lost error as ``HistoryLost`` naming ``table``."""
+    """``action()``, with the server's history-lost error as ``HistoryLost`` naming ``table``, and an event too large
+    for a server that cannot split it as a ``PermanentBatchError`` naming ``table`` and the way on (a retry meets the
+    same event)."""
     try:
         return action()
     except OperationFailure as error:
         if is_history_lost(error):
             raise HistoryLost(table, describe_cause(error)) from None
+        if (hint := clients.split_event_hint(error, table.qualified_name)) is not None:
+            raise PermanentBatchError(f"{hint} ({describe_cause(error)})") from None
         raise
 
 
@@ -250,8 +255,9 @@ def read_batch(
     cursors: dict[str, clients.ChangeCursor] = {}
     spill = Spill(spill_dir, {name: change_schema(table.arrow_schema) for name, table in by_name.items()})
     try:
+        split = capabilities.split_large_events
         for name, table in by_name.items():
-            cursors[name] = _guarded(table, lambda table=table: open_stream(client, table, start, full_document))
+            cursors[name] = _guarded(table, lambda table=table: open_stream(client, table, start, full_document, split))
         merge = Merge(cursors, by_name, start, bound, capabilities.cluster_time)
         batch = _rows(_checked(client, merge), lambda: max(merge.reached, start - 1), max_changes, max_bytes, spill.add)
         batch.waiting += merge.waiting()
