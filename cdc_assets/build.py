@@ -9,6 +9,10 @@ no key, no ``SELECT``, a partition, ...) is logged as a warning naming it, its r
 asset of its own whose ``table_is_captured`` check fails with them (``cdc_assets.assets.build_skipped_table``);
 every other table keeps its assets, checks, jobs and schedules, and the planner sensor reports the skipped tables
 on every evaluation. Any table name gets valid Dagster names (``cdc_assets.engine.names``).
+
+Every job runs its steps in the run's own process (``in_process_executor``): a snapshot run's read step and its chunk
+check step share one Spark driver instead of starting one each (Dagster's default executor runs each step in a
+process of its own); the steps of a run are sequential anyway.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import logging
 import os
 from pathlib import Path
 
-from dagster import Definitions, define_asset_job
+from dagster import Definitions, define_asset_job, in_process_executor
 
 from cdc_assets.assets import (
     build_consistency_check,
@@ -89,5 +93,6 @@ def build_definitions(config_path: str | os.PathLike[str]) -> Definitions:
         jobs=jobs,
         sensors=sensors,
         schedules=schedules,
+        executor=in_process_executor,
         resources={"cdc": CdcResource(config_path=str(Path(config_path).resolve()))},
     )

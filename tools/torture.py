@@ -114,8 +114,6 @@ RUN_KILLS = {"snapshot.killed_at_random": 2, "stream.killed_at_random": 1}
 # stream.compact_seconds and stream.vacuum_seconds)
 COMPACT_EVERY, VACUUM_EVERY = 4, 8
 TASK_ATTEMPTS = 8
-# C1-only JIT and the serial collector: short-lived drivers on a small machine start and warm up about twice as fast
-JVM_OPTIONS = "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC"
 
 
 def source_kind(kind: str) -> type[TortureSource]:
@@ -167,7 +165,7 @@ def worker_main(role: str, kind: str, result_fd: int, broken: bool, patched: boo
     import cdc_assets.lake.watermark_window as window_module
     import cdc_assets.pipeline as pipeline_module
     from cdc_assets.engine import faults
-    from cdc_assets.lake.spark import DERBY_OPTION, spark_session
+    from cdc_assets.lake.spark import SHORT_LIVED_DRIVER_OPTIONS, spark_session
     from cdc_assets.sources import open_source
 
     channel = os.fdopen(result_fd, "w")
@@ -184,8 +182,9 @@ def worker_main(role: str, kind: str, result_fd: int, broken: bool, patched: boo
     torture = source_kind(kind)
     if broken and role == "stream":
         torture.break_settled_rule()
-    options = f"{DERBY_OPTION} {JVM_OPTIONS}"  # its own collector: the JVM refuses two
-    spark = spark_session(SparkConfig(master=WORKER_MASTER, conf={"spark.driver.extraJavaOptions": options}))
+    # short-lived drivers (killed at random); its own collector replaces the default's: the JVM refuses two
+    conf = {"spark.driver.extraJavaOptions": SHORT_LIVED_DRIVER_OPTIONS}
+    spark = spark_session(SparkConfig(master=WORKER_MASTER, conf=conf))
     warm_up(spark)
     _emit(channel, {"ready": True, "patches": patches})
     while True:

@@ -32,6 +32,10 @@ from cdc_assets.config import SparkConfig
 ROOT = Path(__file__).resolve().parents[2]
 
 DERBY_OPTION = "-Dderby.system.home=/tmp/cdc-derby"
+# for a driver that lives seconds to minutes (a test's runs, the torture harness's workers): C1-only JIT and the
+# serial collector start and warm up about twice as fast on a small machine (a torture run's workers: 235 CPU-s
+# against 300 with the tiered JIT); ``spark.driver.extraJavaOptions`` in ``cdc.yaml`` takes it
+SHORT_LIVED_DRIVER_OPTIONS = f"{DERBY_OPTION} -XX:TieredStopAtLevel=1 -XX:+UseSerialGC"
 # The throughput collector rather than G1 (Java 17's default): Spark's row work is batch work, and on 2 cores G1's
 # concurrent threads compete with it. bench.stream's Spark side measured about 10% faster with it, cold and warm.
 BASE_CONF: dict[str, str] = {

@@ -29,6 +29,7 @@ from pathlib import Path
 import pytest
 from playwright.sync_api import Browser, Page, expect, sync_playwright
 
+from cdc_assets.lake.spark import SHORT_LIVED_DRIVER_OPTIONS
 from tests.browser.ui_support import (
     ARTIFACTS,
     CHROMIUM,
@@ -119,7 +120,12 @@ def dagster_ui(
     config = base / "cdc.yaml"
     config.write_text(
         CONFIG.format(
-            lake=lake, source=SOURCE, port=postgres_server["port"], database=DATABASE, password_env=PASSWORD_ENV
+            lake=lake,
+            source=SOURCE,
+            port=postgres_server["port"],
+            database=DATABASE,
+            password_env=PASSWORD_ENV,
+            driver_options=SHORT_LIVED_DRIVER_OPTIONS,
         )
     )
     port = free_port()

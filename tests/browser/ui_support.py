@@ -23,7 +23,9 @@ CONFIG = """
 lake_root: {lake}
 spark:
   master: local[2]
-  conf: {{spark.sql.shuffle.partitions: "2", spark.driver.memory: 1g, spark.ui.enabled: "false"}}
+  # every run's driver lives seconds to minutes (cdc_assets.lake.spark.SHORT_LIVED_DRIVER_OPTIONS)
+  conf: {{spark.sql.shuffle.partitions: "2", spark.driver.memory: 1g, spark.ui.enabled: "false",
+         spark.driver.extraJavaOptions: "{driver_options}"}}
 sources:
   - name: {source}
     kind: postgres
