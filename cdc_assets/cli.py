@@ -1,4 +1,5 @@
-"""Command line: ``python -m cdc_assets.cli offsets`` prints every source's offset and lag as JSON.
+"""Command line: ``offsets`` prints every source's offset and lag as JSON; ``backfill`` snapshots a range of a table's
+chunks again through the Dagster webserver (``python -m cdc_assets.cli <command> --help``).
 
 Contract: ``offsets_report(config, instance)`` lists, per configured source, the recorded offset (the stream asset's
 latest materialization: a batch's, or one the ``change_offset`` job recorded, with its fields in the source kind's
@@ -9,8 +10,18 @@ null when none is). A source that cannot be reached gets ``error`` (its message 
 credential) instead of the figures it could not read; the others are still listed. Nothing is written anywhere:
 the report reads the Dagster instance (``DAGSTER_HOME``), the lake's control files and the source.
 
-``main`` exits 0 when every source answered, 1 when one did not (the JSON is printed either way), 2 on bad usage or
-configuration (the message names the file or setting).
+``backfill_chunks(url, source, table, chunks, tags)`` launches one Dagster asset backfill of the table's chunk
+partitions ``chunks`` (``chunk_range``: a chunk number, ``N-M``, a partition key or Dagster's ``START...END``), the
+same backfill the UI's "Materialize selected partitions" launches: the webserver's GraphQL ``launchPartitionBackfill``,
+so the daemon runs it in runs of ``chunks_per_run`` chunks under the source's pools, and it can be cancelled
+(paused) and re-executed from failure (resumed) in the UI. Before anything is launched the table's asset and both
+ends of the range must exist among its planned chunks; otherwise ``BackfillRefused`` names the table, the chunk and
+the planned range, and nothing is launched. ``tags`` (``cdc/requested_by``, ``cdc/reason``) go on the backfill and
+its runs.
+
+``main`` exits 0 on success; ``offsets`` exits 1 when a source did not answer (the JSON is printed either way),
+``backfill`` when the webserver refused or could not be reached (the message says why, nothing was launched); 2 on
+bad usage or configuration (the message names the file, option or setting).
 """
 
 from __future__ import annotations
@@ -18,7 +29,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
+import urllib.error
+import urllib.request
 from collections.abc import Sequence
 from datetime import UTC, datetime
 from pathlib import Path
@@ -26,8 +40,9 @@ from typing import Any
 
 from dagster import DagsterInstance
 
-from cdc_assets.assets import stream_asset_key
+from cdc_assets.assets import stream_asset_key, table_asset_key
 from cdc_assets.config import CdcConfig, ConfigError, load_config
+from cdc_assets.engine.chunks import chunk_index, chunk_partition_key
 from cdc_assets.source import SourceError
 from cdc_assets.sources import open_source
 
@@ -75,6 +90,130 @@ def offsets_report(config: CdcConfig, instance: DagsterInstance) -> list[dict[st
     return report
 
 
+DEFAULT_WEBSERVER = "http://127.0.0.1:3000"
+CHUNKS_FORMS = "a chunk number (3), a range of numbers (0-9), a partition key (chunk-000003) or START...END of keys"
+REQUESTED_BY_TAG, REASON_TAG = "cdc/requested_by", "cdc/reason"
+PARTITION_KEYS_QUERY = """
+query ChunkPartitions($assetKey: AssetKeyInput!) {
+  assetNodeOrError(assetKey: $assetKey) {
+    __typename
+    ... on AssetNode { partitionKeys }
+    ... on Error { message }
+  }
+}"""
+LAUNCH_BACKFILL_MUTATION = """
+mutation LaunchChunkBackfill($params: LaunchBackfillParams!) {
+  launchPartitionBackfill(backfillParams: $params) {
+    __typename
+    ... on LaunchBackfillSuccess { backfillId }
+    ... on Error { message }
+  }
+}"""
+
+
+class BackfillRefused(Exception):
+    """The backfill was not launched: the message names the table, the chunks and why."""
+
+
+def chunk_range(text: str) -> tuple[str, str]:
+    """The first and last chunk partition keys ``--chunks`` names (``CHUNKS_FORMS``); ``ValueError`` names the
+    allowed forms."""
+    value = text.strip()
+    try:
+        if "..." in value:
+            start, end = (chunk_partition_key(chunk_index(part.strip())) for part in value.split("...", 1))
+        elif value.startswith("chunk-"):
+            start = end = chunk_partition_key(chunk_index(value))
+        elif match := re.fullmatch(r"(\d+)(?:\s*-\s*(\d+))?", value):
+            first = int(match.group(1))
+            start, end = chunk_partition_key(first), chunk_partition_key(int(match.group(2) or first))
+        else:
+            raise ValueError(value)
+    except ValueError:
+        raise ValueError(f"--chunks {text!r} is not {CHUNKS_FORMS}") from None
+    if chunk_index(start) > chunk_index(end):
+        raise ValueError(f"--chunks {text!r}: the range starts at {start}, after its end {end}")
+    return start, end
+
+
+def graphql(url: str, query: str, variables: dict[str, Any]) -> dict[str, Any]:
+    """The ``data`` of one GraphQL request to the webserver at ``url``; ``BackfillRefused`` when it cannot be reached
+    or answers with errors."""
+    request = urllib.request.Request(
+        f"{url.rstrip('/')}/graphql",
+        data=json.dumps({"query": query, "variables": variables}).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=120) as response:
+            answer = json.load(response)
+    except (urllib.error.URLError, OSError, ValueError) as error:
+        raise BackfillRefused(f"the Dagster webserver at {url} did not answer (--url): {error}") from None
+    if answer.get("errors"):
+        raise BackfillRefused(f"the Dagster webserver at {url} refused the request: {answer['errors'][0]['message']}")
+    return answer["data"]
+
+
+def backfill_chunks(url: str, source: str, table: str, chunks: tuple[str, str], tags: dict[str, str]) -> dict[str, Any]:
+    """Launch the backfill of ``table``'s chunk partitions ``chunks`` (first, last) through the webserver at ``url``;
+    returns its id, the asset, the chunks and the backfill's page. ``BackfillRefused`` when nothing was launched."""
+    try:
+        key = table_asset_key(source, table)
+    except ValueError as error:
+        raise BackfillRefused(f"--table {table!r} is not a schema-qualified table name: {error}") from None
+    asset = "/".join(key.path)
+    node = graphql(url, PARTITION_KEYS_QUERY, {"assetKey": {"path": key.path}})["assetNodeOrError"]
+    if node["__typename"] != "AssetNode":
+        raise BackfillRefused(
+            f"source {source!r} has no asset {asset} for table {table} at {url}: a captured table is an asset once the "
+            f"definitions are loaded (a table added at the source appears after 'Reload definitions')"
+        )
+    planned = node["partitionKeys"]
+    if not planned:
+        raise BackfillRefused(f"{table} (source {source!r}) has no planned chunks yet: the planner sensor plans them")
+    start, end = chunks
+    for chunk in (start, end):
+        if chunk not in planned:
+            raise BackfillRefused(
+                f"{chunk} is not a planned chunk of {table} (source {source!r}): its {len(planned)} chunks are "
+                f"{planned[0]}...{planned[-1]}"
+            )
+    params = {
+        "partitionsByAssets": [{"assetKey": {"path": key.path}, "partitions": {"range": {"start": start, "end": end}}}],
+        "tags": [{"key": k, "value": v} for k, v in tags.items()],
+        "title": f"snapshot of {table} chunks {start}...{end}",
+        "description": tags.get(REASON_TAG),
+    }
+    result = graphql(url, LAUNCH_BACKFILL_MUTATION, {"params": params})["launchPartitionBackfill"]
+    if result["__typename"] != "LaunchBackfillSuccess":
+        raise BackfillRefused(f"backfill of {table} chunks {start}...{end} refused: {result.get('message', result)}")
+    backfill_id = result["backfillId"]
+    return {
+        "backfill_id": backfill_id,
+        "asset": asset,
+        "chunks": planned[planned.index(start) : planned.index(end) + 1],
+        "url": f"{url.rstrip('/')}/runs/b/{backfill_id}",
+    }
+
+
+def run_backfill(arguments: argparse.Namespace) -> int:
+    try:
+        chunks = chunk_range(arguments.chunks)
+    except ValueError as error:
+        print(error, file=sys.stderr)
+        return 2
+    tags = {REQUESTED_BY_TAG: arguments.requested_by}
+    if arguments.reason:
+        tags[REASON_TAG] = arguments.reason
+    try:
+        launched = backfill_chunks(arguments.url, arguments.source, arguments.table, chunks, tags)
+    except BackfillRefused as error:
+        print(f"nothing launched: {error}", file=sys.stderr)
+        return 1
+    print(json.dumps(launched, indent=2))
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m cdc_assets.cli", description=__doc__.split("\n", 1)[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -83,7 +222,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--config", default=os.environ.get("CDC_CONFIG", str(ROOT / "cdc.yaml")),
         help="the configuration file (default: $CDC_CONFIG, else cdc.yaml)",
     )  # fmt: skip
+    backfill = commands.add_parser(
+        "backfill", help="snapshot a range of a table's chunks again: one Dagster backfill, launched by the webserver"
+    )
+    backfill.add_argument("--source", required=True, help="the source's name in cdc.yaml")
+    backfill.add_argument("--table", required=True, help="the captured table, schema-qualified (public.orders)")
+    backfill.add_argument("--chunks", required=True, help=CHUNKS_FORMS)
+    backfill.add_argument(
+        "--url", default=os.environ.get("DAGSTER_WEBSERVER_URL", DEFAULT_WEBSERVER),
+        help=f"the Dagster webserver (default: $DAGSTER_WEBSERVER_URL, else {DEFAULT_WEBSERVER})",
+    )  # fmt: skip
+    backfill.add_argument(
+        "--requested-by", default=os.environ.get("USER", "cli"), help="who asks (a tag on the backfill and its runs)"
+    )
+    backfill.add_argument("--reason", default="", help="why (a tag on the backfill and its runs)")
     arguments = parser.parse_args(argv)
+    if arguments.command == "backfill":
+        return run_backfill(arguments)
     try:
         config = load_config(arguments.config)
     except ConfigError as error:

@@ -2,7 +2,8 @@
 
 Headless Chromium (Debian's package) driven by Playwright against ``dagster dev`` on a small demo database
 (``tests/browser/conftest.py``): the offset job refused from the Launchpad, a table added at the source, planned
-after "Reload definitions" and two of its chunk partitions backfilled, a 20-chunk snapshot paused and resumed, and
+after "Reload definitions" and two of its chunk partitions backfilled, then a range of them from the command line
+(``python -m cdc_assets.cli backfill``, against the same webserver), a 20-chunk snapshot paused and resumed, and
 the stream's lag plotted. Each test asserts on what the UI shows and on the lake or the source behind it;
 screenshots go to ``.artifacts/browser/``.
 
@@ -15,7 +16,10 @@ added were two tests with a backfill each (200 and 350 s); one backfill now show
 
 from __future__ import annotations
 
+import json
 import re
+import subprocess
+import sys
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -26,13 +30,14 @@ from playwright.sync_api import Locator, Page, expect
 from pyspark.sql import SparkSession
 
 from cdc_assets.assets import change_offset_job_name, stream_asset_key
+from cdc_assets.cli import REASON_TAG, REQUESTED_BY_TAG
 from cdc_assets.config import load_config
 from cdc_assets.engine.chunks import chunk_index, chunk_partition_key
 from cdc_assets.engine.windows import RECONCILED, STAGED
 from cdc_assets.lake.layout import SourceLake
 from cdc_assets.lake.windows import read_events
 from cdc_assets.sources.postgres.pipeline import PostgresPipeline
-from tests.browser.ui_support import SOURCE, DagsterUi, screenshot
+from tests.browser.ui_support import ROOT, SOURCE, DagsterUi, screenshot
 from tests.integration.support import mirror_rows, source_rows
 
 pytestmark = pytest.mark.timeout(1200)
@@ -212,6 +217,54 @@ def test_a_table_added_at_the_source_is_planned_after_reload_definitions_and_two
     expected = source_rows(source, table)
     assert len(expected) == 250
     assert mirror_rows(spark, lake.table("public.refunds").mirror, table) == expected
+
+
+def run_backfill_cli(ui: DagsterUi, *args: str) -> subprocess.CompletedProcess[str]:
+    command = [sys.executable, "-m", "cdc_assets.cli", "backfill", "--url", ui.url, "--source", SOURCE, *args]
+    return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
+
+
+def test_a_range_of_chunks_backfilled_from_the_command_line_runs_like_one_from_the_ui(
+    dagster_ui: DagsterUi, page: Page, spark: SparkSession
+) -> None:
+    """``python -m cdc_assets.cli backfill`` against the webserver: chunks 1-2 of the added table (chunk 1 read
+    again, chunk 2 never read before) are one backfill, tagged with who and why, whose run succeeds; the window log
+    then holds chunk 2 staged and reconciled, chunk 1 twice, and the mirror still equals the source. A chunk the
+    table does not have, or a table that is not captured, is refused naming it, and launches nothing."""
+    before = set(backfill_ids(dagster_ui))
+    refused = run_backfill_cli(dagster_ui, "--table", "public.refunds", "--chunks", "2-3")
+    assert refused.returncode == 1, refused.stdout + refused.stderr
+    assert "chunk-000003 is not a planned chunk of public.refunds (source 'demo')" in refused.stderr
+    assert "its 3 chunks are chunk-000000...chunk-000002" in refused.stderr
+    refused = run_backfill_cli(dagster_ui, "--table", "public.nowhere", "--chunks", "0")
+    assert refused.returncode == 1 and "has no asset demo/public/nowhere for table public.nowhere" in refused.stderr
+    assert set(backfill_ids(dagster_ui)) == before  # nothing launched
+
+    reason = "chunks 1-2 again from the command line"
+    launched = run_backfill_cli(
+        dagster_ui, "--table", "public.refunds", "--chunks", "1-2", "--requested-by", "operator", "--reason", reason
+    )
+    assert launched.returncode == 0, launched.stdout + launched.stderr
+    answer = json.loads(launched.stdout)
+    assert answer["asset"] == f"{SOURCE}/public/refunds"
+    assert answer["chunks"] == [chunk_partition_key(1), chunk_partition_key(2)]
+    assert set(backfill_ids(dagster_ui)) == before | {answer["backfill_id"]}
+    status = wait_for_backfill(page, dagster_ui, answer["backfill_id"])  # the page the command printed
+    assert answer["url"] == f"{dagster_ui.url}/runs/b/{answer['backfill_id']}"
+    screenshot(page, "2-added-table-cli-backfill")
+    expect(status).to_have_text("Succeeded")
+    (run,) = backfill_runs(dagster_ui, answer["backfill_id"])  # both chunks in one run (chunks_per_run: 10)
+    assert run.tags[REQUESTED_BY_TAG] == "operator" and run.tags[REASON_TAG] == reason
+    done = materialized_partitions(dagster_ui, AssetKey([SOURCE, "public", "refunds"]))
+    assert done == Counter({chunk_partition_key(0): 1, chunk_partition_key(1): 2, chunk_partition_key(2): 1}), done
+
+    lake = SourceLake(dagster_ui.lake, SOURCE)
+    events = [e for e in read_events(spark, lake.windows) if e.window.table == "public.refunds"]
+    assert Counter(e.window.chunk for e in events if e.event == STAGED) == Counter({0: 1, 1: 2, 2: 1})
+    reconciled = Counter(e.window.chunk for e in events if e.event == RECONCILED)
+    assert reconciled == Counter({0: 1, 1: 2, 2: 1}), reconciled
+    source, table = captured(dagster_ui, "public.refunds")
+    assert mirror_rows(spark, lake.table("public.refunds").mirror, table) == source_rows(source, table)
 
 
 def backfill_runs(ui: DagsterUi, backfill_id: str) -> list:

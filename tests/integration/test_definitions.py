@@ -33,6 +33,7 @@ from cdc_assets.assets import recorded_offset, stream_asset_key
 from cdc_assets.build import build_definitions
 from cdc_assets.engine.chunks import chunk_partition_key
 from cdc_assets.lake.layout import SourceLake
+from cdc_assets.lake.spark import SHORT_LIVED_DRIVER_OPTIONS
 from cdc_assets.offsets import OffsetError
 from cdc_assets.sources.postgres.dialect import validate_postgres_offset
 from cdc_assets.sources.postgres.lsn import parse_lsn
@@ -45,7 +46,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 CONFIG = """
 lake_root: {lake}
-spark: {{master: "local[2]"}}
+spark: {{master: "local[2]", conf: {{spark.driver.extraJavaOptions: "{driver_options}"}}}}  # the commands' drivers
 sources:
   - name: defs
     kind: postgres
@@ -64,7 +65,7 @@ def config_path(postgres_server: dict[str, str], tmp_path_factory: pytest.TempPa
     create_source(admin_dsn, DATABASE)
     directory = tmp_path_factory.mktemp("defs")
     path = directory / "cdc.yaml"
-    path.write_text(CONFIG.format(lake=directory / "lake", port=PG_PORT))
+    path.write_text(CONFIG.format(lake=directory / "lake", port=PG_PORT, driver_options=SHORT_LIVED_DRIVER_OPTIONS))
     os.environ["DEFS_PW"] = READER_PASSWORD
     yield path, admin_dsn
     drop_source(admin_dsn, DATABASE)
@@ -380,12 +381,24 @@ def test_a_backfill_of_several_chunks_and_the_sweep_check_every_chunk_of_their_r
     assert "Re-materialize those partitions" in drifted.description
 
 
-def test_chunk_check_runs_as_a_dagster_asset_check_and_reports_the_database_side_checksum(config_path, spark) -> None:
-    """The asset check as a user runs it for one chunk again (its job, the partition tag a launched run carries),
-    while the stream runs beside it: the pairs mirror (filled by the stream tests above) matches its source, with
-    the counts and both checksums in the metadata. Runs last in the module: its stream thread moves the slot outside
-    any Dagster run."""
-    from cdc_assets.assets import chunk_partitions
+def dagster_cli(config: Path, home: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """``dagster <args> -m cdc_assets.definitions`` as the README shows it, with this module's configuration
+    (``CDC_CONFIG``) and instance (``DAGSTER_HOME``)."""
+    env = {**os.environ, "CDC_CONFIG": str(config), "DAGSTER_HOME": str(home), "DEFS_PW": READER_PASSWORD}
+    command = [str(Path(sys.executable).parent / "dagster"), *args, "-m", "cdc_assets.definitions"]
+    return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+
+
+def test_the_readmes_commands_materialize_a_chunk_check_it_and_move_the_offset(config_path, spark, tmp_path) -> None:
+    """The README's commands, run as a user runs them, while the stream runs beside them: ``dagster asset
+    materialize --partition`` reads one chunk of the pairs table (filled by the stream tests above) and checks it;
+    ``dagster job execute`` of the table's chunk-check job with a partition tag checks it again (counts and both
+    checksums in each evaluation's metadata; that run materializes nothing); ``dagster job execute`` of
+    ``defs_change_offset`` refuses an LSN ahead of the server naming the field and range, and records a valid one
+    with who and why. Its stream thread moves the slot outside any Dagster run."""
+    from dagster import AssetCheckKey, DagsterEventType
+
+    from cdc_assets.assets import CHUNK_CHECK_NAME, chunk_partitions, table_asset_key
     from cdc_assets.config import load_config
     from cdc_assets.sources.postgres.pipeline import PostgresPipeline
     from tests.integration.test_consistency import Streamer
@@ -394,11 +407,11 @@ def test_chunk_check_runs_as_a_dagster_asset_check_and_reports_the_database_side
     with psycopg.connect(f"{admin_dsn} dbname={DATABASE}", autocommit=True) as admin:
         (rows,) = admin.execute("select count(*) from pairs").fetchone()
     assert rows >= 7  # written by the stream tests above
-    defs = build_definitions(path)
-    job = defs.resolve_job_def(check_job_name("defs", "public.pairs"))
+    home = tmp_path / "dagster_home"
+    home.mkdir()
     partition = chunk_partition_key(0)
-    instance = DagsterInstance.ephemeral()
-    instance.add_dynamic_partitions(chunk_partitions("defs", "public.pairs").name, [partition])
+    with DagsterInstance.from_ref(InstanceRef.from_dir(str(home))) as instance:
+        instance.add_dynamic_partitions(chunk_partitions("defs", "public.pairs").name, [partition])  # the planner's
     config = load_config(path)
     pipeline = PostgresPipeline(config, config.sources[0])
     pipeline.prepare()
@@ -406,18 +419,51 @@ def test_chunk_check_runs_as_a_dagster_asset_check_and_reports_the_database_side
     streamer = Streamer(pipeline, spark, None)
     streamer.start()
     try:
-        # a check-only selection has no asset to take the partitions from, so execute_in_process(partition_key=)
-        # refuses it; the partition tag is what a launched run of the check carries
-        result = job.execute_in_process(instance=instance, tags={"dagster/partition": partition})
+        select = ["--select", "defs/public/pairs", "--partition", partition]
+        read = dagster_cli(path, home, "asset", "materialize", *select)
+        assert read.returncode == 0, read.stdout[-3000:] + read.stderr[-3000:]
+        tags = json.dumps({"dagster/partition": partition})
+        job = check_job_name("defs", "public.pairs")
+        checked = dagster_cli(path, home, "job", "execute", "-j", job, "--tags", tags)
+        assert checked.returncode == 0, checked.stdout[-3000:] + checked.stderr[-3000:]
     finally:
         streamer.finish()
-    assert result.success
-    [evaluation] = result.get_asset_check_evaluations()
-    assert evaluation.passed, evaluation.description
-    metadata = {k: v.value for k, v in evaluation.metadata.items()}
-    assert metadata["chunk"] == partition and metadata["source_rows"] == metadata["mirror_rows"] == rows
-    assert metadata["source_checksum"] == metadata["mirror_checksum"] != "0"
-    assert result.get_asset_materialization_events() == []  # the check alone ran
+    with DagsterInstance.from_ref(InstanceRef.from_dir(str(home))) as instance:
+        materialized = instance.fetch_materializations(table_asset_key("defs", "public.pairs"), limit=10).records
+        assert [r.asset_materialization.partition for r in materialized if r.asset_materialization] == [partition]
+        check = AssetCheckKey(table_asset_key("defs", "public.pairs"), CHUNK_CHECK_NAME)
+        # the materialize run checks the chunk it read (an asset's checks run with it), then the check job's run
+        check_run, read_run = instance.event_log_storage.get_asset_check_execution_history(check, limit=10)
+        assert read_run.run_id == materialized[0].run_id != check_run.run_id
+        for execution in (read_run, check_run):
+            assert execution.event is not None and execution.event.dagster_event is not None
+            evaluation = execution.event.dagster_event.asset_check_evaluation_data
+            assert evaluation.passed, evaluation.description
+            metadata = {k: v.value for k, v in evaluation.metadata.items()}
+            assert metadata["chunk"] == partition and metadata["source_rows"] == metadata["mirror_rows"] == rows
+            assert metadata["source_checksum"] == metadata["mirror_checksum"] != "0"
+        check_records = instance.get_records_for_run(check_run.run_id, of_type=DagsterEventType.ASSET_MATERIALIZATION)
+        assert not check_records.records  # the check alone ran
+
+    def change_offset(lsn: str) -> subprocess.CompletedProcess[str]:
+        run_config = tmp_path / "offset.yaml"  # `dagster job execute` takes run config from files only
+        offset = f"{{lsn: {lsn}, changed_by: operator, reason: why}}"
+        run_config.write_text(f"ops: {{defs_record_offset: {{config: {offset}}}}}\n")
+        return dagster_cli(path, home, "job", "execute", "-j", "defs_change_offset", "-c", str(run_config))
+
+    refused = change_offset("FFFFFFFF/FFFFFFFF")
+    assert refused.returncode != 0
+    assert "lsn: FFFFFFFF/FFFFFFFF is outside the allowed range" in refused.stdout + refused.stderr
+    with psycopg.connect(f"{admin_dsn} dbname={DATABASE}", autocommit=True) as admin:
+        confirmed, _ = slot_position(admin, DATABASE)
+    lsn = f"{confirmed >> 32:X}/{confirmed & 0xFFFFFFFF:X}"
+    moved = change_offset(lsn)
+    assert moved.returncode == 0, moved.stdout[-3000:] + moved.stderr[-3000:]
+    with DagsterInstance.from_ref(InstanceRef.from_dir(str(home))) as instance:
+        (record,) = instance.fetch_materializations(stream_asset_key("defs"), limit=10).records  # the refused: none
+        assert record.asset_materialization is not None
+        recorded = {k: v.value for k, v in record.asset_materialization.metadata.items()}
+    assert recorded["lsn"] == lsn and recorded["changed_by"] == "operator", recorded
 
 
 def stream_config(path: Path, settings: str, name: str) -> Path:
