@@ -36,7 +36,7 @@ from cdc_assets.lake.layout import SourceLake
 from cdc_assets.lake.spark import SHORT_LIVED_DRIVER_OPTIONS
 from cdc_assets.offsets import OffsetError
 from cdc_assets.sources.postgres.dialect import validate_postgres_offset
-from cdc_assets.sources.postgres.lsn import parse_lsn
+from cdc_assets.sources.postgres.lsn import format_lsn, parse_lsn
 from cdc_assets.sources.postgres.stream import slot_position
 from sensors.consistency import RANGE_END_TAG, RANGE_START_TAG, check_job_name, sweep_name
 from tests.integration.support import PG_PORT, READER_PASSWORD, create_source, drop_source
@@ -456,7 +456,7 @@ def test_the_readmes_commands_materialize_a_chunk_check_it_and_move_the_offset(c
     assert "lsn: FFFFFFFF/FFFFFFFF is outside the allowed range" in refused.stdout + refused.stderr
     with psycopg.connect(f"{admin_dsn} dbname={DATABASE}", autocommit=True) as admin:
         confirmed, _ = slot_position(admin, DATABASE)
-    lsn = f"{confirmed >> 32:X}/{confirmed & 0xFFFFFFFF:X}"
+    lsn = format_lsn(confirmed)
     moved = change_offset(lsn)
     assert moved.returncode == 0, moved.stdout[-3000:] + moved.stderr[-3000:]
     with DagsterInstance.from_ref(InstanceRef.from_dir(str(home))) as instance:
@@ -640,7 +640,7 @@ def test_the_offsets_cli_prints_every_sources_recorded_offset_and_lag(config_pat
     home.mkdir()
     with psycopg.connect(f"{admin_dsn} dbname={DATABASE}", autocommit=True) as admin:
         confirmed, _ = slot_position(admin, DATABASE)
-    lsn = f"{confirmed >> 32:X}/{confirmed & 0xFFFFFFFF:X}"
+    lsn = format_lsn(confirmed)
     defs = build_definitions(path)
     with DagsterInstance.from_ref(InstanceRef.from_dir(str(home))) as instance:
         offset = {"lsn": lsn, "changed_by": "operator", "reason": "offsets cli test"}

@@ -182,11 +182,8 @@ class Capabilities:
         except OperationFailure:  # the test server knows only the legacy name
             hello = client.admin.command("isMaster")
         replicated = "setName" in hello or hello.get("msg") == "isdbgrid"
-        version = client.admin.command("buildInfo").get("versionArray", [0])
-        return cls(
-            cluster_time=replicated and "logicalSessionTimeoutMinutes" in hello,
-            split_large_events=replicated and splits_large_events(version),
-        )
+        splits = replicated and splits_large_events(client.admin.command("buildInfo").get("versionArray", [0]))
+        return cls(cluster_time=replicated and "logicalSessionTimeoutMinutes" in hello, split_large_events=splits)
 
 
 class ChangeCursor:
@@ -236,7 +233,9 @@ class ChangeCursor:
             try:
                 raw = self.stream.try_next()
                 if raw is not None and SPLIT_EVENT in raw:
-                    raw = self._whole(raw)
+                    # its other fragments are in the same oplog entry, so the stream returns them next (``next``
+                    # waits for a ``getMore`` when a batch ended between them)
+                    raw = whole_split_event(raw, self.stream.next)
             except ProtocolError as error:
                 self._smaller(error)
                 self.stream.close()
@@ -245,11 +244,6 @@ class ChangeCursor:
             if raw is not None:
                 self.last_token = raw["_id"]
             return raw
-
-    def _whole(self, first: dict[str, Any]) -> dict[str, Any]:
-        # the other fragments are in the same oplog entry, so the stream returns them next (``next`` waits for a
-        # ``getMore`` when a batch ended between them)
-        return whole_split_event(first, self.stream.next)
 
     @property
     def resume_token(self) -> Mapping[str, Any] | None:
