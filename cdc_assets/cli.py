@@ -7,7 +7,9 @@ Debezium names; ``changed_by``/``reason`` when the job recorded it), when and by
 position and the lake's acknowledged position in the source's own form (PostgreSQL ``X/Y``; MongoDB ``SEC:ORD``),
 the lag at the source (``lag_bytes``, ``lag_seconds``, ``changes_waiting``) and why a batch is due now (``pending``,
 null when none is). A source that cannot be reached gets ``error`` (its message names the source and never holds a
-credential) instead of the figures it could not read; the others are still listed. Nothing is written anywhere:
+credential) instead of the figures it could not read; the others are still listed. The sources are asked at once
+and waited for ``timeout`` seconds in all (``--timeout``, default 30): a source still silent then (a saturated or
+hung server) gets an ``error`` saying so, and the command ends all the same. Nothing is written anywhere:
 the report reads the Dagster instance (``DAGSTER_HOME``), the lake's control files and the source.
 
 ``backfill_chunks(url, source, table, chunks, tags)`` launches one Dagster asset backfill of the table's chunk
@@ -31,6 +33,8 @@ import json
 import os
 import re
 import sys
+import threading
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Sequence
@@ -41,7 +45,7 @@ from typing import Any
 from dagster import DagsterInstance
 
 from cdc_assets.assets import stream_asset_key, table_asset_key
-from cdc_assets.config import CdcConfig, ConfigError, load_config
+from cdc_assets.config import CdcConfig, ConfigError, SourceConfig, load_config
 from cdc_assets.engine.chunks import chunk_index, chunk_partition_key
 from cdc_assets.source import SourceError
 from cdc_assets.sources import open_source
@@ -68,25 +72,70 @@ def recorded(instance: DagsterInstance, source_name: str) -> dict[str, Any] | No
     }
 
 
-def offsets_report(config: CdcConfig, instance: DagsterInstance) -> list[dict[str, Any]]:
-    report = []
-    for source in config.sources:
-        entry: dict[str, Any] = {"source": source.name, "kind": source.kind}
-        last = recorded(instance, source.name)
-        entry["recorded"] = last
+DEFAULT_SOURCE_TIMEOUT = 30.0
+
+
+def source_figures(config: CdcConfig, source: SourceConfig, last: dict[str, Any] | None) -> dict[str, Any]:
+    """What the source and the lake say of ``source``: position, acknowledged position, lag, pending work; ``error``
+    instead of the figures it could not read."""
+    figures: dict[str, Any] = {}
+    try:
         pipeline = open_source(config, source)
+        if last is not None:
+            figures["position"] = pipeline.format_position(pipeline.position(last["fields"]))
+        acknowledged = pipeline.lake.acknowledged()
+        figures["acknowledged"] = None if acknowledged is None else pipeline.format_position(acknowledged)
+        lag = pipeline.lag()
+        figures["lag_bytes"], figures["lag_seconds"] = lag.lag_bytes, round(lag.lag_seconds, 3)
+        figures["changes_waiting"] = lag.changes_waiting
+        figures["pending"] = pipeline.pending_work(lag)
+    except (SourceError, ValueError, KeyError) as error:
+        figures["error"] = f"{type(error).__name__}: {error}"
+    return figures
+
+
+class _FiguresReader(threading.Thread):
+    """Reads one source's figures beside the others; a daemon, so a source that never answers does not hold the
+    command after its deadline."""
+
+    def __init__(self, config: CdcConfig, source: SourceConfig, last: dict[str, Any] | None) -> None:
+        super().__init__(name=f"offsets-{source.name}", daemon=True)
+        self.config, self.source, self.last = config, source, last
+        self.figures: dict[str, Any] | None = None
+        self.raised: BaseException | None = None
+
+    def run(self) -> None:
         try:
-            if last is not None:
-                entry["position"] = pipeline.format_position(pipeline.position(last["fields"]))
-            acknowledged = pipeline.lake.acknowledged()
-            entry["acknowledged"] = None if acknowledged is None else pipeline.format_position(acknowledged)
-            lag = pipeline.lag()
-            entry["lag_bytes"], entry["lag_seconds"] = lag.lag_bytes, round(lag.lag_seconds, 3)
-            entry["changes_waiting"] = lag.changes_waiting
-            entry["pending"] = pipeline.pending_work(lag)
-        except (SourceError, ValueError, KeyError) as error:
-            entry["error"] = f"{type(error).__name__}: {error}"
-        report.append(entry)
+            self.figures = source_figures(self.config, self.source, self.last)
+        except BaseException as error:  # re-raised by the caller: not a source's answer, a defect
+            self.raised = error
+
+
+def offsets_report(
+    config: CdcConfig, instance: DagsterInstance, timeout: float = DEFAULT_SOURCE_TIMEOUT
+) -> list[dict[str, Any]]:
+    """Every source's entry; the sources are asked at once, and one that has not answered ``timeout`` seconds after
+    the command asked gets an ``error`` saying so (its recorded offset is still listed): a source whose server is
+    saturated or silent must not hold the report of the others, nor the operator's shell."""
+    report, readers = [], []
+    for source in config.sources:
+        last = recorded(instance, source.name)
+        report.append({"source": source.name, "kind": source.kind, "recorded": last})
+        reader = _FiguresReader(config, source, last)
+        reader.start()
+        readers.append(reader)
+    deadline = time.monotonic() + timeout
+    for entry, reader in zip(report, readers, strict=True):
+        reader.join(max(0.0, deadline - time.monotonic()))
+        if reader.raised is not None:
+            raise reader.raised
+        if reader.figures is None:
+            entry["error"] = (
+                f"TimeoutError: source {entry['source']!r} did not answer within {timeout:g} s (--timeout): its "
+                "position, lag and pending work are left out; its recorded offset is listed"
+            )
+        else:
+            entry.update(reader.figures)
     return report
 
 
@@ -214,6 +263,16 @@ def run_backfill(arguments: argparse.Namespace) -> int:
     return 0
 
 
+def positive_seconds(text: str) -> float:
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = -1.0
+    if not seconds > 0:
+        raise argparse.ArgumentTypeError(f"--timeout must be a number of seconds above 0, not {text!r}")
+    return seconds
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m cdc_assets.cli", description=__doc__.split("\n", 1)[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -221,6 +280,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     offsets.add_argument(
         "--config", default=os.environ.get("CDC_CONFIG", str(ROOT / "cdc.yaml")),
         help="the configuration file (default: $CDC_CONFIG, else cdc.yaml)",
+    )  # fmt: skip
+    offsets.add_argument(
+        "--timeout", type=positive_seconds, default=DEFAULT_SOURCE_TIMEOUT,
+        help=f"seconds to wait for the sources' answers (default {DEFAULT_SOURCE_TIMEOUT:g}); a source still silent "
+        "then gets an error in its entry",
     )  # fmt: skip
     backfill = commands.add_parser(
         "backfill", help="snapshot a range of a table's chunks again: one Dagster backfill, launched by the webserver"
@@ -248,7 +312,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("DAGSTER_HOME is not set: it names the Dagster instance that holds the recorded offsets", file=sys.stderr)
         return 2
     with DagsterInstance.get() as instance:
-        report = offsets_report(config, instance)
+        report = offsets_report(config, instance, arguments.timeout)
     print(json.dumps({"sources": report}, indent=2))
     return 1 if any("error" in entry for entry in report) else 0
 

@@ -622,10 +622,10 @@ def test_the_stream_sensor_records_lag_and_fails_the_lag_check_while_the_stream_
     assert evaluation["success"] is False and "max_lag_alert_seconds=2" in (evaluation["description"] or "")
 
 
-def run_offsets_cli(config: Path, home: Path) -> tuple[int, dict, str]:
+def run_offsets_cli(config: Path, home: Path, *options: str) -> tuple[int, dict, str]:
     env = {**os.environ, "DAGSTER_HOME": str(home), "DEFS_PW": READER_PASSWORD}
     result = subprocess.run(
-        [sys.executable, "-m", "cdc_assets.cli", "offsets", "--config", str(config)],
+        [sys.executable, "-m", "cdc_assets.cli", "offsets", "--config", str(config), *options],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     return result.returncode, json.loads(result.stdout or "{}"), result.stdout + result.stderr
@@ -679,3 +679,24 @@ def test_the_offsets_cli_prints_every_sources_recorded_offset_and_lag(config_pat
     assert defs_entry["position"] == lsn and "error" not in defs_entry
     assert gone["source"] == "gone" and gone["recorded"] is None and "gone" in gone["error"], gone
     assert READER_PASSWORD not in output
+    # a server that takes the connection and never answers (a hung or saturated one) is given --timeout seconds,
+    # not its own minute of connect_timeout: the report of the others comes out all the same
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(4)  # the kernel completes the handshake; nothing ever reads or answers
+        hung = tmp_path / "hung.yaml"
+        hung.write_text(
+            broken.read_text().replace(f"port: {closed_port}", f"port: {silent.getsockname()[1]}")
+            .replace("connect_timeout: 3", "connect_timeout: 120")
+        )  # fmt: skip
+        started = time.monotonic()
+        status, report, output = run_offsets_cli(hung, home, "--timeout", "4")
+        elapsed = time.monotonic() - started
+    assert status == 1, output
+    defs_entry, gone = report["sources"]
+    assert defs_entry["position"] == lsn and "error" not in defs_entry
+    assert "'gone' did not answer within 4 s (--timeout)" in gone["error"], gone
+    assert elapsed < 100, elapsed  # the source's own connect_timeout (120 s) did not hold the command
+    assert READER_PASSWORD not in output
+    status, _, output = run_offsets_cli(path, home, "--timeout", "0")
+    assert status == 2 and "--timeout must be a number of seconds above 0, not '0'" in output, output
