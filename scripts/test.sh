@@ -7,7 +7,9 @@ cd "$ROOT"
 scripts/setup.sh
 .venv/bin/ruff check cdc_assets tests
 set +e
-.venv/bin/python -m pytest tests --durations=10 "$@"
+# two processes, a module's tests in one (tests/conftest.py: each has its own PostgreSQL cluster, MongoDB test server
+# and Spark driver; the controller runs the torture harness's short forms beside them)
+.venv/bin/python -m pytest tests -n "${CDC_TEST_WORKERS:-2}" --dist loadfile --durations=10 "$@"
 status=$?
 set -e
 if [ "$status" -eq 5 ]; then
