@@ -1,50 +1,23 @@
-"""Shared fixtures: services are started once per test session by the project's own scripts.
-
-The suite runs in two processes (pytest-xdist, ``scripts/test.sh``: ``-n 2 --dist loadfile``, a module's tests in one
-process). Each worker has its own PostgreSQL cluster (``worker_services``: a test that sets a server-wide setting,
-such as ``synchronous_standby_names``, must not stall the other worker's commits), its own MongoDB test server and
-its own Spark driver. The torture runs are started by the controller (``TortureRunsOwner``) and read by whichever
-worker runs their tests, through their work directories.
-"""
+"""Shared fixtures: services are started once per test session by the project's own scripts."""
 
 from __future__ import annotations
 
-import os
-import shutil
 import subprocess
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from pathlib import Path
 
 import psycopg
 import pymongo
 import pytest
 
-
-def worker_services() -> None:
-    """In a pytest-xdist worker ``gwN`` (N > 0): the PostgreSQL cluster on the base port + 100 N, under
-    ``.state/pg-gwN`` (set before ``tests.integration.support`` reads them; the tests' subprocesses inherit them)."""
-    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
-    index = int(worker.removeprefix("gw") or 0)
-    if index:
-        base = int(os.environ.get("CDC_PG_PORT", "54329"))
-        os.environ["CDC_PG_PORT"] = str(base + 100 * index)
-        state = Path(os.environ.get("CDC_PG_STATE", Path(__file__).resolve().parents[1] / ".state" / "pg"))
-        os.environ["CDC_PG_STATE"] = f"{state}-{worker}"
-        os.environ.pop("CDC_PG_SOCKET", None)
-
-
-worker_services()
-
 from tests.integration.mongo_support import REAL_MONGODB_URI_ENV, real_mongodb_uri, start_mongo_test_server
 from tests.integration.support import ABSENT_STANDBY, PG_PORT, PG_SOCKET
 from tests.pipeline_support import FaultPoints, arm_faults
 from tests.tools.torture_support import (
-    TIMEOUT,
-    TORTURE_RUN_TESTS,
+    BackgroundRun,
     ChainedRun,
     Run,
-    RunElsewhere,
     start_broken_run,
     start_faulted_run,
     start_mongodb_run,
@@ -52,7 +25,7 @@ from tests.tools.torture_support import (
 
 ROOT = Path(__file__).resolve().parents[1]
 BROKEN_TORTURE_RUN = pytest.StashKey[Run]()
-FAULTED_TORTURE_RUN = pytest.StashKey[Run]()
+FAULTED_TORTURE_RUN = pytest.StashKey[BackgroundRun]()
 MONGODB_TORTURE_RUN = pytest.StashKey[Run]()
 # One run at a time, one after the other: in a suite run from a fresh clone two at once (faulted and broken, then
 # MongoDB after broken) held the machine at 0 % idle for their 11 minutes, and the 25 minutes of tests after them
@@ -76,105 +49,36 @@ BACKGROUND_RUNS = {  # fixture -> (stash key, start, work dir, the run it follow
 # They run first (``pytest_collection_modifyitems``): in path order the unit tests under engine/ came between them, so
 # the runs started there, beside the consistency checks (the drift test took 413 s in a suite run).
 BEFORE_TORTURE_RUNS = ("browser/", "integration/test_consistency.py")
-# the tests that wait for the runs come last: in a distributed session the process running them waits, and the
-# runs take its core
-TORTURE_TESTS = "tools/test_torture.py"
 TORTURE_RUNS_STARTED = pytest.StashKey[bool]()
 
 
-def test_path(path: str | Path) -> str:
-    return Path(path).resolve().relative_to(ROOT / "tests").as_posix()
-
-
 def runs_before_torture(item: pytest.Item) -> bool:
-    return test_path(item.path).startswith(BEFORE_TORTURE_RUNS)
+    return Path(item.path).resolve().relative_to(ROOT / "tests").as_posix().startswith(BEFORE_TORTURE_RUNS)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The tests under ``BEFORE_TORTURE_RUNS`` first (in their order), then the others (in theirs), the torture
-    runs' own tests last."""
-    items.sort(key=lambda item: (not runs_before_torture(item), test_path(item.path) == TORTURE_TESTS))
+    """The tests under ``BEFORE_TORTURE_RUNS`` first (in their order), then the others (in theirs)."""
+    items.sort(key=lambda item: not runs_before_torture(item))  # stable: each group keeps its order
 
 
-def distributed_worker(config: pytest.Config) -> bool:
-    return hasattr(config, "workerinput")
-
-
-def distributed_controller(config: pytest.Config) -> bool:
-    return not distributed_worker(config) and bool(getattr(config.option, "numprocesses", None))
-
-
-def start_runs(config: pytest.Config, fixtures: set[str]) -> None:
-    """Start the runs of ``fixtures`` (a chained one once the run it follows has ended); kept in the stash."""
+@pytest.hookimpl(tryfirst=True)  # before the test's fixtures, which read the stash
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Start the torture runs whose tests were selected (see ``tests/tools/torture_support.py``) at the first test
+    not under ``BEFORE_TORTURE_RUNS``: they then run beside the tests after it, in the background."""
+    config = item.config
+    if config.stash.get(TORTURE_RUNS_STARTED, False):
+        return
+    if runs_before_torture(item):
+        return
     config.stash[TORTURE_RUNS_STARTED] = True
+    items = item.session.items
     for fixture, (key, start, work_dir, after) in BACKGROUND_RUNS.items():
-        if fixture in fixtures:
+        if any(fixture in getattr(selected, "fixturenames", ()) for selected in items):
             before = config.stash.get(after, None) if after is not None else None
             if before is None:
                 config.stash[key] = start(work_dir)
             else:  # started when ``before`` has ended (``ChainedRun``)
                 config.stash[key] = ChainedRun(before, lambda start=start, work_dir=work_dir: start(work_dir))
-
-
-@pytest.hookimpl(tryfirst=True)  # before the test's fixtures, which read the stash
-def pytest_runtest_setup(item: pytest.Item) -> None:
-    """One process: start the torture runs whose tests were selected (see ``tests/tools/torture_support.py``) at the
-    first test not under ``BEFORE_TORTURE_RUNS``: they then run beside the tests after it, in the background. (A
-    distributed session's controller starts them: ``TortureRunsOwner``.)"""
-    config = item.config
-    if distributed_worker(config) or config.stash.get(TORTURE_RUNS_STARTED, False) or runs_before_torture(item):
-        return
-    selected = {name for test in item.session.items for name in getattr(test, "fixturenames", ())}
-    start_runs(config, selected & set(BACKGROUND_RUNS))
-
-
-class TortureRunsOwner:
-    """A distributed session's controller starts the torture runs whose tests the workers collected, once every
-    selected test under ``BEFORE_TORTURE_RUNS`` has ended, and stops any still going when the session ends; the
-    workers' fixtures read them through their work directories (``RunElsewhere``)."""
-
-    def __init__(self, config: pytest.Config) -> None:
-        self.config = config
-        self.waiting: set[str] | None = None
-        self.fixtures: set[str] = set()
-        for _, _, work_dir, _ in BACKGROUND_RUNS.values():  # no earlier session's result may be read
-            shutil.rmtree(work_dir, ignore_errors=True)
-
-    def collected(self, ids: Sequence[str]) -> None:
-        if self.waiting is not None:  # every worker collects the same tests
-            return
-        self.fixtures = {fixture for fixture, test in TORTURE_RUN_TESTS.items() if test in ids}
-        self.waiting = {test for test in ids if test.removeprefix("tests/").startswith(BEFORE_TORTURE_RUNS)}
-        self._maybe_start()
-
-    def ended(self, nodeid: str) -> None:
-        if self.waiting is not None:
-            self.waiting.discard(nodeid)
-            self._maybe_start()
-
-    def _maybe_start(self) -> None:
-        if not self.waiting and not self.config.stash.get(TORTURE_RUNS_STARTED, False):
-            start_runs(self.config, self.fixtures)
-
-
-OWNERS: list[TortureRunsOwner] = []  # the controller's (a report hook is given no config)
-
-
-def pytest_configure(config: pytest.Config) -> None:
-    if distributed_controller(config):
-        OWNERS.append(TortureRunsOwner(config))
-
-
-@pytest.hookimpl(optionalhook=True)
-def pytest_xdist_node_collection_finished(node: object, ids: Sequence[str]) -> None:
-    for owner in OWNERS:
-        owner.collected(ids)
-
-
-def pytest_runtest_logreport(report: pytest.TestReport) -> None:
-    if report.when == "teardown":
-        for owner in OWNERS:
-            owner.ended(report.nodeid)
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
@@ -184,30 +88,23 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
             run.stop()
 
 
-def torture_run(request: pytest.FixtureRequest, fixture: str) -> Run:
-    key, _, work_dir, _ = BACKGROUND_RUNS[fixture]
-    if distributed_worker(request.config):  # started by the controller
-        return RunElsewhere(work_dir, timeout=3 * TIMEOUT)
-    return request.config.stash[key]
-
-
 @pytest.fixture(scope="session")
 def broken_torture_run(request: pytest.FixtureRequest) -> Run:
     """The background ``--broken-reconciliation`` run (started once the faulted run ended, when that one runs too)."""
-    return torture_run(request, "broken_torture_run")
+    return request.config.stash[BROKEN_TORTURE_RUN]
 
 
 @pytest.fixture(scope="session")
-def faulted_torture_run(request: pytest.FixtureRequest) -> Run:
+def faulted_torture_run(request: pytest.FixtureRequest) -> BackgroundRun:
     """The background run with faults (started at the first test after ``BEFORE_TORTURE_RUNS``)."""
-    return torture_run(request, "faulted_torture_run")
+    return request.config.stash[FAULTED_TORTURE_RUN]
 
 
 @pytest.fixture(scope="session")
 def mongodb_torture_run(request: pytest.FixtureRequest) -> Run:
     """The background MongoDB run with faults (started once the broken-reconciliation run ended, when that one
     runs too)."""
-    return torture_run(request, "mongodb_torture_run")
+    return request.config.stash[MONGODB_TORTURE_RUN]
 
 
 @pytest.fixture()
@@ -234,8 +131,7 @@ def mongo_server() -> Iterator[str]:
     """Start the MongoDB test server (mongo-java-server, oplog on; ``tests/integration/mongo_support.py``) on a free
     loopback port for this session and yield its connection string; stopped at the session's end. Never skips: a
     missing ``java`` or launcher jar is a failure."""
-    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
-    server = start_mongo_test_server(ROOT / ".state" / f"mongo-test-server-{worker}")
+    server = start_mongo_test_server(ROOT / ".state" / "mongo-test-server")
     try:
         yield server.uri
     finally:

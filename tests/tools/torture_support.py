@@ -18,7 +18,6 @@ import shutil
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,14 +25,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 SHORT = ["--duration", "20", "--scale", "0.3", "--rate", "8", "--drop-failed"]
 TIMEOUT = 2700
-# the test of each background run (``tests/conftest.py``: a distributed session's controller starts the runs of the
-# tests its workers collected)
-TORTURE_RUN_TESTS = {
-    "faulted_torture_run": "tests/tools/test_torture.py::test_short_form_with_faults_passes",
-    "broken_torture_run": "tests/tools/test_torture.py::test_broken_reconciliation_is_caught",
-    "mongodb_torture_run": "tests/tools/test_torture.py::test_mongodb_short_form_with_faults_passes",
-}
-RETURNCODE_FILE = "returncode"  # written when the run has ended, for a test in another process (``RunElsewhere``)
 NICENESS = 5  # the background runs yield to the suite's tests (CFS weight 335 against 1024)
 BROKEN_SEED = 903
 FAULTED_SEED = 901
@@ -96,47 +87,7 @@ def start_run(work_dir: Path, *args: str) -> BackgroundRun:
         # all of it once they are done), within its own timeouts (600 s a task, 900 s to catch up)
         process = subprocess.Popen(torture_command(work_dir, *args), cwd=ROOT, stdout=sink, stderr=subprocess.STDOUT,
                                    preexec_fn=lambda: os.nice(NICENESS))  # fmt: skip
-    threading.Thread(target=_write_returncode, args=(process, work_dir), daemon=True).start()
     return BackgroundRun(process, work_dir, output)
-
-
-def _write_returncode(process: subprocess.Popen[bytes], work_dir: Path) -> None:
-    returncode = process.wait()
-    temporary = work_dir / f".{RETURNCODE_FILE}"
-    temporary.write_text(str(returncode))
-    os.replace(temporary, work_dir / RETURNCODE_FILE)
-
-
-class RunElsewhere:
-    """A run another process started (the controller of a distributed session, ``tests/conftest.py``), seen through
-    its work directory: it has ended once ``RETURNCODE_FILE`` is there. Same interface as ``BackgroundRun``; a run
-    still going when the session ends is stopped by the process that started it."""
-
-    def __init__(self, work_dir: Path, timeout: float) -> None:
-        self.work_dir = work_dir
-        self.timeout = timeout
-
-    def _returncode(self) -> int | None:
-        try:
-            return int((self.work_dir / RETURNCODE_FILE).read_text())
-        except (FileNotFoundError, ValueError):
-            return None
-
-    def wait(self) -> None:
-        self.result()
-
-    def result(self) -> tuple[int, str, str]:
-        deadline = time.monotonic() + self.timeout
-        while (returncode := self._returncode()) is None:
-            if time.monotonic() > deadline:
-                raise AssertionError(f"the torture run in {self.work_dir} did not end within {self.timeout:g} s")
-            time.sleep(2)
-        harness_log(self.work_dir)
-        text = (self.work_dir / "output.txt").read_text()
-        return returncode, text, text[-4000:]
-
-    def stop(self) -> None:
-        """Nothing to do: the process that started the run stops it."""
 
 
 def start_faulted_run(work_dir: Path) -> BackgroundRun:
@@ -195,7 +146,7 @@ class ChainedRun:
                 self.run.stop()
 
 
-Run = BackgroundRun | ChainedRun | RunElsewhere
+Run = BackgroundRun | ChainedRun
 
 
 def start_mongodb_run(work_dir: Path) -> BackgroundRun:
