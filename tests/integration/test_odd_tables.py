@@ -187,99 +187,16 @@ def test_definitions_load_with_every_odd_name_and_report_the_keyless_table(sourc
     assert "public.nolog" in validated.stderr + validated.stdout  # the warning names it
 
 
-class Ticker(threading.Thread):
-    """A live workload: bumps ``plain`` row 1's tick and changes rows of ``plain`` and, once it exists, of
-    ``added_live``, until stopped; ``ticked`` is the last tick committed."""
-
-    def __init__(self, dsn: str) -> None:
-        super().__init__(daemon=True)
-        self.conn = psycopg.connect(dsn, autocommit=True)
-        self.random = random.Random(28)
-        self.stop = threading.Event()
-        self.added = threading.Event()
-        self.ticked = 0
-        self.error: BaseException | None = None
-
-    def run(self) -> None:
-        try:
-            while not self.stop.is_set():
-                n = self.random.randrange(2, 1200)
-                with self.conn.transaction():
-                    self.conn.execute("update plain set v = %s where id = 1", [f"tick {self.ticked + 1}"])
-                    self.conn.execute(
-                        "insert into plain values (%s, 'live') on conflict (id) do update set v = 'up'", [n]
-                    )
-                if self.added.is_set():
-                    if n % 3:
-                        self.conn.execute("update added_live set v = %s where id = %s", [f"w{n}", n % 900])
-                    else:
-                        self.conn.execute("delete from added_live where id = %s", [n % 900])
-                self.ticked += 1
-                time.sleep(0.02)
-        except BaseException as error:  # reported by the test
-            self.error = error
-
-
-def test_a_table_added_under_a_live_workload_ends_exact_while_the_other_mirrors_stay_current(source, spark) -> None:
-    """Issue #28: a table created at the source while writes go on to it and to a captured table. Its chunks are
-    snapshotted one by one (another run's work) while the stream run in flight goes on: after each chunk a batch
-    brings the captured table's mirror up to the tick committed before that chunk started (the stream never paused
-    for the snapshot), and the batch meeting the new table captures it. Once the writer stops, every mirror equals
-    its source."""
-    admin, admin_dsn, path = source
-    from cdc_assets.config import load_config
-
-    loaded = load_config(path)
-    config = replace(loaded, sources=(replace(loaded.sources[0], include=("public.plain", "public.added_live")),))
-    in_flight = PostgresPipeline(config, config.sources[0])
-    plain = in_flight.prepare()["public.plain"]
-    in_flight.snapshot(spark, plain, list(range(len(in_flight.plan(plain).chunks))), "initial")
-    recorded = catch_up(in_flight, spark, None)
-    ticker = Ticker(f"{admin_dsn} dbname={DATABASE}")
-    ticker.start()
-    try:
-        admin.execute("create table added_live (id int primary key, v text)")
-        admin.execute(sql.SQL("grant select on added_live to {}").format(sql.Identifier(ROLE)))
-        admin.execute("insert into added_live select g, 'a' || g from generate_series(1, 800) g")
-        ticker.added.set()
-        snapshotting = PostgresPipeline(config, config.sources[0])
-        added = snapshotting.prepare()["public.added_live"]
-        chunks = list(range(len(snapshotting.plan(added).chunks)))
-        assert len(chunks) == 2  # 800 rows in chunks of 400
-        captured_by: list[str] = []
-        for chunk in chunks:
-            before = ticker.ticked
-            with in_flight.connect() as conn:
-                target = current_flush_lsn(conn)
-            snapshotting.snapshot(spark, added, [chunk], f"added-{chunk}")
-            for _ in range(5):  # the writer goes on: batches until the stream has passed what was there before
-                recorded, report = stream_once(in_flight, spark, recorded)
-                captured_by += report.newly_captured
-                if in_flight.position(recorded) >= target:
-                    break
-            mirror = spark.read.format("delta").load(in_flight.lake.table("public.plain").mirror)
-            (row,) = mirror.where("id = 1").select("v").collect()
-            assert int(row.v.split()[1]) >= before, (chunk, row.v, before)
-        assert ticker.error is None, ticker.error
-        assert ticker.ticked > 200, ticker.ticked  # the workload really ran beside the snapshot
-    finally:
-        ticker.stop.set()
-        ticker.join()
-        ticker.conn.close()
-    assert captured_by == ["public.added_live"]
-    recorded = catch_up(in_flight, spark, recorded)
-    assert sorted(in_flight.tables) == ["public.added_live", "public.plain"]
-    assert_exact(in_flight, spark, config)
-
-
 class Writer(threading.Thread):
     """Inserts, updates, deletes on every odd table (and rows into the keyless one) until stopped."""
 
-    def __init__(self, dsn: str) -> None:
+    pause = 0.01  # seconds between steps
+
+    def __init__(self, dsn: str, seed: int = 25) -> None:
         super().__init__(daemon=True)
         self.conn = psycopg.connect(dsn, autocommit=True)
         self.conn.execute("set synchronous_commit = on")
-        self.random = random.Random(25)
+        self.random = random.Random(seed)
         self.stop = threading.Event()
         self.done = 0
         self.error: BaseException | None = None
@@ -289,7 +206,7 @@ class Writer(threading.Thread):
             while not self.stop.is_set():
                 self.step()
                 self.done += 1
-                time.sleep(0.01)
+                time.sleep(self.pause)
         except BaseException as error:  # reported by the test
             self.error = error
 
@@ -329,6 +246,80 @@ class Writer(threading.Thread):
             c.execute(sql.SQL("delete from {} where id = %s").format(table), [n])
         if choice < 0.05:
             c.execute("insert into nolog values (%s, 'w')", [n])
+
+
+class Ticker(Writer):
+    """A live workload: bumps ``plain`` row 1's tick and changes rows of ``plain`` and, once it exists, of
+    ``added_live``, until stopped; ``done`` is the last tick committed."""
+
+    pause = 0.02
+
+    def __init__(self, dsn: str) -> None:
+        super().__init__(dsn, seed=28)
+        self.added = threading.Event()
+
+    def step(self) -> None:
+        n = self.random.randrange(2, 1200)
+        with self.conn.transaction():
+            self.conn.execute("update plain set v = %s where id = 1", [f"tick {self.done + 1}"])
+            self.conn.execute("insert into plain values (%s, 'live') on conflict (id) do update set v = 'up'", [n])
+        if self.added.is_set():
+            if n % 3:
+                self.conn.execute("update added_live set v = %s where id = %s", [f"w{n}", n % 900])
+            else:
+                self.conn.execute("delete from added_live where id = %s", [n % 900])
+
+
+def test_a_table_added_under_a_live_workload_ends_exact_while_the_other_mirrors_stay_current(source, spark) -> None:
+    """Issue #28: a table created at the source while writes go on to it and to a captured table. Its chunks are
+    snapshotted one by one (another run's work) while the stream run in flight goes on: after each chunk a batch
+    brings the captured table's mirror up to the tick committed before that chunk started (the stream never paused
+    for the snapshot), and the batch meeting the new table captures it. Once the writer stops, every mirror equals
+    its source."""
+    admin, admin_dsn, path = source
+    from cdc_assets.config import load_config
+
+    loaded = load_config(path)
+    config = replace(loaded, sources=(replace(loaded.sources[0], include=("public.plain", "public.added_live")),))
+    in_flight = PostgresPipeline(config, config.sources[0])
+    plain = in_flight.prepare()["public.plain"]
+    in_flight.snapshot(spark, plain, list(range(len(in_flight.plan(plain).chunks))), "initial")
+    recorded = catch_up(in_flight, spark, None)
+    ticker = Ticker(f"{admin_dsn} dbname={DATABASE}")
+    ticker.start()
+    try:
+        admin.execute("create table added_live (id int primary key, v text)")
+        admin.execute(sql.SQL("grant select on added_live to {}").format(sql.Identifier(ROLE)))
+        admin.execute("insert into added_live select g, 'a' || g from generate_series(1, 800) g")
+        ticker.added.set()
+        snapshotting = PostgresPipeline(config, config.sources[0])
+        added = snapshotting.prepare()["public.added_live"]
+        chunks = list(range(len(snapshotting.plan(added).chunks)))
+        assert len(chunks) == 2  # 800 rows in chunks of 400
+        captured_by: list[str] = []
+        for chunk in chunks:
+            before = ticker.done
+            with in_flight.connect() as conn:
+                target = current_flush_lsn(conn)
+            snapshotting.snapshot(spark, added, [chunk], f"added-{chunk}")
+            for _ in range(5):  # the writer goes on: batches until the stream has passed what was there before
+                recorded, report = stream_once(in_flight, spark, recorded)
+                captured_by += report.newly_captured
+                if in_flight.position(recorded) >= target:
+                    break
+            mirror = spark.read.format("delta").load(in_flight.lake.table("public.plain").mirror)
+            (row,) = mirror.where("id = 1").select("v").collect()
+            assert int(row.v.split()[1]) >= before, (chunk, row.v, before)
+        assert ticker.error is None, ticker.error
+        assert ticker.done > 200, ticker.done  # the workload really ran beside the snapshot
+    finally:
+        ticker.stop.set()
+        ticker.join()
+        ticker.conn.close()
+    assert captured_by == ["public.added_live"]
+    recorded = catch_up(in_flight, spark, recorded)
+    assert sorted(in_flight.tables) == ["public.added_live", "public.plain"]
+    assert_exact(in_flight, spark, config)
 
 
 def assert_no_duplicate_keys(pipeline: PostgresPipeline, spark) -> None:
