@@ -483,6 +483,21 @@ def lag_evaluation(source: SourceConfig, lag: SourceLag) -> dict[str, Any]:
     }
 
 
+def unanswered_evaluation(source: SourceConfig) -> dict[str, Any]:
+    """The lag check's fields when the source did not answer within ``stream.sensor_timeout_seconds``: failed, the
+    lag unknown."""
+    seconds = source.stream.sensor_timeout_seconds
+    return {
+        "passed": False,
+        "metadata": {"sensor_timeout_seconds": seconds},
+        "description": (
+            f"stream of source {source.name!r}: lag unknown, the source did not answer within {seconds} s "
+            "(stream.sensor_timeout_seconds). A saturated or unreachable server, or a long backlog to read: look at "
+            "the stream runs' logs."
+        ),
+    }
+
+
 def lag_metadata(lag: SourceLag) -> dict[str, Any]:
     return {
         "lag_bytes": lag.lag_bytes,

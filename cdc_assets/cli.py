@@ -33,12 +33,12 @@ import json
 import os
 import re
 import sys
-import threading
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Sequence
 from datetime import UTC, datetime
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +46,7 @@ from dagster import DagsterInstance
 
 from cdc_assets.assets import stream_asset_key, table_asset_key
 from cdc_assets.config import CdcConfig, ConfigError, SourceConfig, load_config
+from cdc_assets.deadline import Asked, NoAnswer
 from cdc_assets.engine.chunks import chunk_index, chunk_partition_key
 from cdc_assets.source import SourceError
 from cdc_assets.sources import open_source
@@ -94,48 +95,26 @@ def source_figures(config: CdcConfig, source: SourceConfig, last: dict[str, Any]
     return figures
 
 
-class _FiguresReader(threading.Thread):
-    """Reads one source's figures beside the others; a daemon, so a source that never answers does not hold the
-    command after its deadline."""
-
-    def __init__(self, config: CdcConfig, source: SourceConfig, last: dict[str, Any] | None) -> None:
-        super().__init__(name=f"offsets-{source.name}", daemon=True)
-        self.config, self.source, self.last = config, source, last
-        self.figures: dict[str, Any] | None = None
-        self.raised: BaseException | None = None
-
-    def run(self) -> None:
-        try:
-            self.figures = source_figures(self.config, self.source, self.last)
-        except BaseException as error:  # re-raised by the caller: not a source's answer, a defect
-            self.raised = error
-
-
 def offsets_report(
     config: CdcConfig, instance: DagsterInstance, timeout: float = DEFAULT_SOURCE_TIMEOUT
 ) -> list[dict[str, Any]]:
     """Every source's entry; the sources are asked at once, and one that has not answered ``timeout`` seconds after
     the command asked gets an ``error`` saying so (its recorded offset is still listed): a source whose server is
     saturated or silent must not hold the report of the others, nor the operator's shell."""
-    report, readers = [], []
+    report, asked = [], []
     for source in config.sources:
         last = recorded(instance, source.name)
         report.append({"source": source.name, "kind": source.kind, "recorded": last})
-        reader = _FiguresReader(config, source, last)
-        reader.start()
-        readers.append(reader)
+        asked.append(Asked(f"source {source.name!r}", partial(source_figures, config, source, last)))
     deadline = time.monotonic() + timeout
-    for entry, reader in zip(report, readers, strict=True):
-        reader.join(max(0.0, deadline - time.monotonic()))
-        if reader.raised is not None:
-            raise reader.raised
-        if reader.figures is None:
+    for entry, figures in zip(report, asked, strict=True):
+        try:
+            entry.update(figures.answer(deadline))
+        except NoAnswer as silent:
             entry["error"] = (
-                f"TimeoutError: source {entry['source']!r} did not answer within {timeout:g} s (--timeout): its "
-                "position, lag and pending work are left out; its recorded offset is listed"
+                f"TimeoutError: {silent.what} did not answer within {timeout:g} s (--timeout): its position, lag and "
+                "pending work are left out; its recorded offset is listed"
             )
-        else:
-            entry.update(reader.figures)
     return report
 
 

@@ -185,6 +185,8 @@ class StreamConfig:
     # the stream asset's check ``lag_within_bound`` fails when the slot lags the server by more than these
     max_lag_alert_bytes: int = 1024 * 1024 * 1024
     max_lag_alert_seconds: int = 900
+    # the streaming sensor waits this long for the source's position and lag (Dagster stops a tick after 60 s)
+    sensor_timeout_seconds: int = 30
     # a stream run keeps its Spark session and runs batches for up to this many seconds (0: one batch per run)
     run_seconds: int = 0
     # how often a long-lived stream run asks the source whether a batch is due
@@ -444,10 +446,13 @@ def _connection(raw: Any, where: str, environ: Any) -> PostgresConnection:
     )
 
 
+MAX_SENSOR_TIMEOUT_SECONDS = 50
+
+
 def _stream(raw: Any, where: str) -> StreamConfig:
     positive = {
         "interval_seconds", "max_changes", "max_lag_bytes", "spill_rows", "poll_seconds", "compact_target_mb",
-        "max_batch_bytes", "spill_bytes", "max_lag_alert_bytes", "max_lag_alert_seconds",
+        "max_batch_bytes", "spill_bytes", "max_lag_alert_bytes", "max_lag_alert_seconds", "sensor_timeout_seconds",
     }  # fmt: skip
     zero_or_positive = {"run_seconds", "compact_seconds", "vacuum_seconds"}
     stream = _mapping(raw, where, positive | zero_or_positive)
@@ -455,6 +460,11 @@ def _stream(raw: Any, where: str) -> StreamConfig:
     values = {k: _positive_int(stream.get(k, getattr(defaults, k)), f"{where}.{k}") for k in positive}
     for key in zero_or_positive:
         values[key] = _positive_int(stream.get(key, getattr(defaults, key)), f"{where}.{key}", zero_is_off=True)
+    if values["sensor_timeout_seconds"] > MAX_SENSOR_TIMEOUT_SECONDS:
+        raise ConfigError(
+            f"{where}.sensor_timeout_seconds: {values['sensor_timeout_seconds']} is too long; allowed: 1 to "
+            f"{MAX_SENSOR_TIMEOUT_SECONDS} seconds (Dagster stops a sensor tick after 60 s)"
+        )
     return StreamConfig(**values)
 
 

@@ -14,6 +14,13 @@ shows in the UI even while every run fails.
 MongoDB) a run is requested only when a staged chunk window can close or a check waits, and that run's batches read
 no change past the highest waiting high watermark; otherwise (PostgreSQL) no run is requested at all. No lag is
 recorded in this mode.
+
+The source is asked with a deadline (``stream.sensor_timeout_seconds``, below Dagster's 60-second limit of a tick):
+a source that has not answered by then (a saturated or hung server; the MongoDB test server reading a long backlog
+of events to find its current position) gets a failed lag check saying so, and a run is requested when none is in
+flight (the run reads the stream itself, and fails naming the cause if the source is down). The unanswered read goes
+on in the sensor's process and is dropped; what it learnt (the MongoDB test server's newest event) stays for the next
+tick.
 """
 
 from dagster import (
@@ -28,7 +35,16 @@ from dagster import (
     sensor,
 )
 
-from cdc_assets.assets import ACTIVE_RUN_STATUSES, LAG_CHECK_NAME, lag_evaluation, lag_metadata, stream_asset_key
+from cdc_assets.assets import (
+    ACTIVE_RUN_STATUSES,
+    LAG_CHECK_NAME,
+    lag_evaluation,
+    lag_metadata,
+    stream_asset_key,
+    unanswered_evaluation,
+)
+from cdc_assets.deadline import NoAnswer, within
+from cdc_assets.source import SourceLag
 from resources.cdc import CdcResource
 
 
@@ -43,6 +59,7 @@ def build_stream_sensor(source_name: str, job_name: str, interval_seconds: int) 
     def stream_sensor(context: SensorEvaluationContext):
         cdc: CdcResource = context.resources.cdc
         source = cdc.config.source(source_name)
+        timeout = source.stream.sensor_timeout_seconds
         active = RunsFilter(job_name=job_name, statuses=ACTIVE_RUN_STATUSES)
         if source.startup_mode == "snapshot":
             pipeline = cdc.pipeline(source_name)
@@ -50,23 +67,35 @@ def build_stream_sensor(source_name: str, job_name: str, interval_seconds: int) 
                 return SkipReason("startup_mode is 'snapshot': no streaming")
             if in_flight := context.instance.get_run_records(active, limit=1):
                 return SkipReason(f"stream run {in_flight[0].dagster_run.run_id} is still in flight")
-            reason = pipeline.pending_work()
+            try:
+                reason = within(timeout, f"source {source_name!r}", pipeline.pending_work)
+            except NoAnswer as silent:
+                return SkipReason(f"startup_mode is 'snapshot': {silent} (stream.sensor_timeout_seconds)")
             if reason is None:
                 return SkipReason("startup_mode is 'snapshot': no streaming, and no staged chunk waits for the stream")
             tags = {"cdc/reason": f"startup_mode is 'snapshot': {reason} (the run streams no further)"}
             return SensorResult(run_requests=[RunRequest(tags=tags)])
         pipeline = cdc.pipeline(source_name)
-        lag = pipeline.lag()
         key = stream_asset_key(source_name)
-        events = [
-            AssetObservation(asset_key=key, metadata=lag_metadata(lag)),
-            AssetCheckEvaluation(asset_key=key, check_name=LAG_CHECK_NAME, **lag_evaluation(source, lag)),
-        ]
+
+        def lag_and_work() -> tuple[SourceLag, str | None]:
+            lag = pipeline.lag()
+            return lag, pipeline.pending_work(lag)
+
+        try:
+            lag, reason = within(timeout, f"source {source_name!r}", lag_and_work)
+        except NoAnswer as silent:
+            lag, reason = None, f"{silent} (stream.sensor_timeout_seconds): a stream run reads the stream itself"
+            events = [AssetCheckEvaluation(asset_key=key, check_name=LAG_CHECK_NAME, **unanswered_evaluation(source))]
+        else:
+            events = [
+                AssetObservation(asset_key=key, metadata=lag_metadata(lag)),
+                AssetCheckEvaluation(asset_key=key, check_name=LAG_CHECK_NAME, **lag_evaluation(source, lag)),
+            ]
         in_flight = context.instance.get_run_records(active, limit=1)
         if in_flight:
             skip = f"stream run {in_flight[0].dagster_run.run_id} is still in flight"
             return SensorResult(skip_reason=skip, asset_events=events)
-        reason = pipeline.pending_work(lag)
         if reason is None:
             return SensorResult(skip_reason="nothing new", asset_events=events)
         return SensorResult(run_requests=[RunRequest(tags={"cdc/reason": reason})], asset_events=events)

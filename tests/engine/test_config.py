@@ -111,6 +111,16 @@ def test_stream_byte_bounds_and_lag_alerts_are_read_and_validated() -> None:
         parse(bad)
 
 
+def test_the_sensors_wait_for_a_source_is_bounded_below_dagsters_tick_limit() -> None:
+    assert parse(BASE).source("demo").stream.sensor_timeout_seconds == 30
+    with_timeout = {**BASE, "sources": [{**BASE["sources"][0], "stream": {"sensor_timeout_seconds": 12}}]}
+    assert parse(with_timeout).source("demo").stream.sensor_timeout_seconds == 12
+    for bad, message in ((0, "expected a positive integer, got 0"), (55, "55 is too long; allowed: 1 to 50 seconds")):
+        too_long = {**BASE, "sources": [{**BASE["sources"][0], "stream": {"sensor_timeout_seconds": bad}}]}
+        with pytest.raises(ConfigError, match=rf"sources\[0\]\.stream\.sensor_timeout_seconds: {message}"):
+            parse(too_long)
+
+
 def test_table_names_keep_case_and_spaces_and_quote_parts_with_dots() -> None:
     from cdc_assets.config import ConfigError, split_table_name
 

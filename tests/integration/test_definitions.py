@@ -19,6 +19,7 @@ from pathlib import Path
 import psycopg
 import pytest
 from dagster import (
+    AssetCheckEvaluation,
     AssetKey,
     DagsterInstance,
     DagsterRunStatus,
@@ -38,7 +39,9 @@ from cdc_assets.offsets import OffsetError
 from cdc_assets.sources.postgres.dialect import validate_postgres_offset
 from cdc_assets.sources.postgres.lsn import format_lsn, parse_lsn
 from cdc_assets.sources.postgres.stream import slot_position
+from resources.cdc import CdcResource
 from sensors.consistency import RANGE_END_TAG, RANGE_START_TAG, check_job_name, sweep_name
+from sensors.stream import build_stream_sensor
 from tests.integration.support import PG_PORT, READER_PASSWORD, create_source, drop_source
 
 DATABASE = "pipe_defs"
@@ -620,6 +623,40 @@ def test_the_stream_sensor_records_lag_and_fails_the_lag_check_while_the_stream_
     assert executions and executions[0]["status"] == "FAILED", executions
     evaluation = executions[0]["evaluation"]
     assert evaluation["success"] is False and "max_lag_alert_seconds=2" in (evaluation["description"] or "")
+
+
+def test_the_stream_sensor_gives_a_silent_source_its_timeout_then_fails_the_lag_check_and_requests_a_run(
+    config_path,
+) -> None:
+    """A server that takes the connection and never answers holds a sensor tick ``stream.sensor_timeout_seconds``,
+    not its own connect_timeout (past Dagster's 60-second limit of a tick, which would fail the tick with no word
+    of the source): the lag check fails saying the lag is unknown and why, and a run is requested (it reads the
+    stream itself and names the cause if the source is down)."""
+    path, _ = config_path
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(4)  # the kernel completes the handshake; nothing ever reads or answers
+        hung = stream_config(path, "sensor_timeout_seconds: 3", "cdc-sensor-timeout.yaml")
+        hung.write_text(
+            hung.read_text().replace(f"port: {PG_PORT}", f"port: {silent.getsockname()[1]}")
+            .replace('password: "${DEFS_PW}"', 'password: "${DEFS_PW}", connect_timeout: 120')
+        )  # fmt: skip
+        assert "connect_timeout: 120" in hung.read_text()
+        sensor = build_stream_sensor("defs", "defs_stream", 5)
+        with DagsterInstance.ephemeral() as instance:
+            resources = {"cdc": CdcResource(config_path=str(hung))}
+            started = time.monotonic()
+            with build_sensor_context(instance=instance, resources=resources) as context:
+                result = sensor.evaluate_tick(context)
+            elapsed = time.monotonic() - started
+    assert elapsed < 40, elapsed  # the source's connect_timeout (120 s) did not hold the tick
+    (request,) = result.run_requests
+    assert "source 'defs' did not answer within 3 s (stream.sensor_timeout_seconds)" in request.tags["cdc/reason"]
+    (evaluation,) = result.asset_events
+    assert isinstance(evaluation, AssetCheckEvaluation) and evaluation.check_name == "lag_within_bound"
+    assert evaluation.passed is False
+    assert "lag unknown, the source did not answer within 3 s" in (evaluation.description or ""), evaluation
+    assert READER_PASSWORD not in repr(result)
 
 
 def run_offsets_cli(config: Path, home: Path, *options: str) -> tuple[int, dict, str]:

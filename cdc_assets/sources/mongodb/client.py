@@ -37,7 +37,7 @@ import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pymongo
 from pymongo import monitoring
@@ -255,11 +255,25 @@ class ChangeCursor:
 
 class LatestEvent:
     """The newest event position seen on the captured collections' change streams (the test server's current
-    position; see the module docstring). Thread-safe; remembers what it saw, so each call reads only newer events."""
+    position; see the module docstring). Thread-safe; remembers what it saw, so each call reads only newer events.
+
+    One per server and process (``of_server``): what it says holds for the server, not for one source object, and a
+    sensor opens a new source object every tick: each would otherwise read the whole backlog after the acknowledged
+    position again (minutes on the test server after a long stop). ``seen`` moves with every event read, so a read
+    abandoned at a deadline (``cdc_assets.deadline``) still leaves the next one less to read."""
+
+    _of_server: ClassVar[dict[str, LatestEvent]] = {}
+    _of_server_lock: ClassVar[threading.Lock] = threading.Lock()
 
     def __init__(self) -> None:
         self.seen = 0
         self.lock = threading.Lock()
+
+    @classmethod
+    def of_server(cls, server: str) -> LatestEvent:
+        """The process's ``LatestEvent`` of ``server`` (the connection string)."""
+        with cls._of_server_lock:
+            return cls._of_server.setdefault(server, cls())
 
     def advance(self, client: pymongo.MongoClient, collections: Iterable[tuple[str, str]]) -> int:
         with self.lock:
@@ -271,9 +285,9 @@ class LatestEvent:
                 try:
                     while (event := cursor.try_next()) is not None:
                         newest = max(newest, position_of(event["clusterTime"]))
+                        self.seen = newest  # every event at or before it is written, whatever collection it is in
                 finally:
                     cursor.close()
-            self.seen = newest
             return newest
 
     def note(self, position: int) -> None:

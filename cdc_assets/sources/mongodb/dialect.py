@@ -205,7 +205,7 @@ class MongoDialect:
         self._client: pymongo.MongoClient | None = None
         self._capabilities: clients.Capabilities | None = None
         self._tables: list[CapturedCollection] | None = None
-        self.latest = clients.LatestEvent()
+        self.latest = clients.LatestEvent.of_server(self.connection.uri.value)
         self._seeded = False
         self._oplog_unreadable = False
 
