@@ -46,6 +46,9 @@ SOURCE_KINDS = ("postgres", "mongodb")
 # change-stream fullDocument modes the MongoDB source supports: the document looked up when the event is read
 # (post-images, "whenAvailable"/"required" on MongoDB 6.0+, are not supported yet)
 MONGODB_FULL_DOCUMENT_MODES = ("updateLookup",)
+# the change stream's ``fullDocumentBeforeChange``: pre-images as the changelog's before image (MongoDB 6.0+, on
+# collections where an administrator enabled ``changeStreamPreAndPostImages``)
+MONGODB_BEFORE_CHANGE_MODES = ("off", "whenAvailable", "required")
 # what a MongoDB source does when the oplog no longer holds every change after its recorded position
 MONGODB_ON_HISTORY_LOST = ("fail", "resnapshot")
 MAX_UINT32 = (1 << 32) - 1
@@ -160,12 +163,15 @@ class MongoConnection:
 class MongoOptions:
     """What only a MongoDB source has: the databases whose collections ``include``/``exclude`` choose from (empty:
     every database the user may list, except ``admin``, ``local`` and ``config``), the change stream's
-    ``fullDocument`` mode, and what to do when the oplog lost changes the stream still needs (``on_history_lost``:
-    ``fail`` stops the stream naming the oplog window; ``resnapshot`` restarts it at the current position and has
-    every chunk of every captured collection read again)."""
+    ``fullDocument`` mode, its ``fullDocumentBeforeChange`` mode (``full_document_before_change``: ``off``;
+    ``whenAvailable`` fills the changelog's before image where the server has the pre-image; ``required`` fails
+    the stream where it has not), and what to do when the oplog lost changes the stream still needs
+    (``on_history_lost``: ``fail`` stops the stream naming the oplog window; ``resnapshot`` restarts it at the
+    current position and has every chunk of every captured collection read again)."""
 
     databases: tuple[str, ...] = ()
     full_document: str = "updateLookup"
+    full_document_before_change: str = "off"
     on_history_lost: str = "fail"
 
 
@@ -400,7 +406,7 @@ def _mongo_connection(raw: Any, where: str, environ: Any) -> MongoConnection:
 
 
 def _mongo_options(raw: Any, where: str) -> MongoOptions:
-    options = _mapping(raw, where, {"databases", "full_document", "on_history_lost"})
+    options = _mapping(raw, where, {"databases", "full_document", "full_document_before_change", "on_history_lost"})
     databases = options.get("databases") or []
     if isinstance(databases, str):
         databases = [databases]
@@ -411,6 +417,14 @@ def _mongo_options(raw: Any, where: str) -> MongoOptions:
         raise ConfigError(
             f"{where}.full_document: {mode!r} is not supported; allowed: {', '.join(MONGODB_FULL_DOCUMENT_MODES)}"
         )
+    before_change = options.get("full_document_before_change", "off")
+    if before_change is False:  # YAML reads a bare off as false
+        before_change = "off"
+    if before_change not in MONGODB_BEFORE_CHANGE_MODES:
+        raise ConfigError(
+            f"{where}.full_document_before_change: {before_change!r} is not allowed; allowed: "
+            f"{', '.join(MONGODB_BEFORE_CHANGE_MODES)}"
+        )
     on_history_lost = options.get("on_history_lost", "fail")
     if on_history_lost not in MONGODB_ON_HISTORY_LOST:
         raise ConfigError(
@@ -419,7 +433,7 @@ def _mongo_options(raw: Any, where: str) -> MongoOptions:
         )
     return MongoOptions(
         databases=tuple(_string(d, f"{where}.databases") for d in databases), full_document=str(mode),
-        on_history_lost=str(on_history_lost),
+        full_document_before_change=str(before_change), on_history_lost=str(on_history_lost),
     )  # fmt: skip
 
 

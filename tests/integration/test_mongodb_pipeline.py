@@ -414,15 +414,16 @@ def test_on_a_real_replica_set(spark, real_mongodb: str, tmp_path: Path, faults:
     """Gated (``$CDC_TEST_MONGODB_URI``): the main, the startup and the history-lost scenarios against a real replica
     set or ``mongos`` (there, the recorded offset 1:0 is refused by the server itself, error 286, where the source's
     user may not read ``local.oplog.rs``; the window's start is then found by change-stream probes), and change
-    events larger than 16 MB."""
-    names = [f"cdc_{uuid.uuid4().hex[:10]}" for _ in range(4)]
-    for folder in ("main", "startup", "lost", "large"):
+    events larger than 16 MB, and pre-images as before images."""
+    names = [f"cdc_{uuid.uuid4().hex[:10]}" for _ in range(5)]
+    for folder in ("main", "startup", "lost", "large", "pre-images"):
         (tmp_path / folder).mkdir()
     try:
         run_main_scenario(spark, real_mongodb, names[0], tmp_path / "main", faults)
         run_startup_scenario(spark, real_mongodb, names[1], tmp_path / "startup", test_server=False)
         run_history_lost_scenario(spark, real_mongodb, names[2], tmp_path / "lost")
         run_large_event_scenario(spark, real_mongodb, names[3], tmp_path / "large")
+        run_pre_image_scenario(spark, real_mongodb, names[4], tmp_path / "pre-images", test_server=False)
     finally:
         with pymongo.MongoClient(real_mongodb) as client:
             for name in names:
@@ -740,6 +741,55 @@ def run_large_event_scenario(spark, uri: str, database: str, tmp_path: Path) -> 
             with pytest.raises(PermanentBatchError, match=rf"collection {database}\.items: a change event is larger"):
                 stream.batch()
             assert stream.recorded == recorded
+
+
+def run_pre_image_scenario(spark, uri: str, database: str, tmp_path: Path, test_server: bool) -> None:
+    """``full_document_before_change``: on a real server (6.0+, the collection created with
+    ``changeStreamPreAndPostImages``) with ``required``, the changelog's before images of an update, a replace and a
+    delete are the documents as they were; on the test server, which ignores the option and keeps no pre-images,
+    ``whenAvailable`` streams as without it (an update's before image empty, a delete's the key alone). The mirror
+    is exact either way."""
+    with pymongo.MongoClient(uri) as client:
+        if not test_server:
+            client[database].create_collection("items", changeStreamPreAndPostImages={"enabled": True})
+        items = client[database]["items"]
+        items.insert_many([{"_id": 1, "x": 1}, {"_id": 2, "x": 2}, {"_id": 3, "x": 3}])
+        mode = "whenAvailable" if test_server else "required"
+        options = {"databases": [database], "full_document_before_change": mode}
+        config, source = source_config(uri, tmp_path / "lake", database, chunk_size=20, mongodb=options)
+        pipeline = CdcPipeline(config, source, MongoDialect(source, tmp_path / "lake" / "docs" / "_cdc"))
+        table = pipeline.prepare()[f"{database}.items"]
+        pipeline.snapshot(spark, table, [c.index for c in pipeline.plan(table).chunks], "first")
+        stream = Stream(pipeline, spark)
+        stream.catch_up()
+        items.update_one({"_id": 1}, {"$set": {"x": 10}})
+        items.replace_one({"_id": 2}, {"y": 20})
+        items.delete_one({"_id": 3})
+        stream.catch_up()
+        assert_exact(spark, pipeline, items)
+    changelog = spark.read.format("delta").load(pipeline.lake.table(table.qualified_name).changelog)
+    befores = {
+        r["key"]: (r["_cdc_op"], r["document"], r["_cdc_before_key_only"])
+        for r in changelog.where("_cdc_op in ('u', 'd')")
+        .select(F.coalesce("after._id", "before._id").alias("key"), "_cdc_op", "_cdc_before_key_only",
+                "before.document")
+        .collect()
+    }  # fmt: skip
+    one, two, three = (canonical_json(i) for i in (1, 2, 3))
+    if test_server:
+        assert befores == {one: ("u", None, False), two: ("u", None, False), three: ("d", None, True)}, befores
+    else:
+        assert befores == {
+            one: ("u", canonical_json({"_id": 1, "x": 1}), False),
+            two: ("u", canonical_json({"_id": 2, "x": 2}), False),
+            three: ("d", canonical_json({"_id": 3, "x": 3}), False),
+        }, befores
+
+
+def test_pre_images_asked_for_on_a_server_without_them_stream_as_without(
+    spark, mongo_server: str, database_name: str, tmp_path: Path
+) -> None:
+    run_pre_image_scenario(spark, mongo_server, database_name, tmp_path, test_server=True)
 
 
 def run_history_lost_scenario(spark, uri: str, database: str, tmp_path: Path) -> None:

@@ -200,9 +200,10 @@ class ChangeCursor:
 
     def __init__(
         self, collection: Collection, start: int, full_document: str | None = None,
-        pipeline: Sequence[Mapping[str, Any]] = (), split_large_events: bool = False,
+        pipeline: Sequence[Mapping[str, Any]] = (), split_large_events: bool = False, before_change: str = "off",
     ) -> None:  # fmt: skip
         self.collection, self.start, self.full_document = collection, start, full_document
+        self.before_change = None if before_change == "off" else before_change
         self.pipeline = [*pipeline, SPLIT_STAGE] if split_large_events else list(pipeline)
         self.batch_size = STREAM_BATCH_SIZE
         self.last_token: Mapping[str, Any] | None = None
@@ -218,7 +219,7 @@ class ChangeCursor:
             try:
                 return self.collection.watch(
                     list(self.pipeline), full_document=self.full_document, max_await_time_ms=MAX_AWAIT_MS,
-                    batch_size=self.batch_size, **where,
+                    batch_size=self.batch_size, full_document_before_change=self.before_change, **where,
                 )  # fmt: skip
             except ProtocolError as error:
                 self._smaller(error)

@@ -201,6 +201,7 @@ class MongoDialect:
         self.listeners = tuple(listeners)
         options = source.mongodb if source.mongodb is not None else MongoOptions()
         self.full_document = options.full_document
+        self.before_change = options.full_document_before_change
         self.on_history_lost = options.on_history_lost
         self._client: pymongo.MongoClient | None = None
         self._capabilities: clients.Capabilities | None = None
@@ -378,7 +379,7 @@ class MongoDialect:
                 "reading the change streams",
                 lambda: stream.read_batch(
                     self.client, capabilities, self.latest, captured, after + 1, max_changes, max_bytes,
-                    self.full_document, spill_dir, until=until,
+                    self.full_document, spill_dir, until=until, before_change=self.before_change,
                 ),
             )  # fmt: skip
         except history.HistoryLost as lost:

@@ -26,7 +26,9 @@ Contract (``read_batch``):
   was deleted since; the test server then gives the update's delta without ``_id``, and its ``documentKey`` holds
   the update, not ``{_id}``) the event yields no row: a delete of that ``_id`` follows it in the stream, is
   applied, and is unsettled for every window whose low watermark precedes the update, so nothing is lost.
-  delete -> ``d`` with the key alone as before image (``_cdc_before_key_only``). No pre-images.
+  delete -> ``d`` with the key alone as before image (``_cdc_before_key_only``). With
+  ``full_document_before_change`` (``whenAvailable``/``required``) an update's, replace's or delete's pre-image,
+  where the server gives one, is the row's before image (a delete's then not key-only); the mirror never reads it.
 - ``until`` (``startup_mode: snapshot``): the bound is lowered to it, so no event after it is taken.
 - A stream the server cannot start or go on with because the oplog no longer holds its history (errors 286, 280:
   ``history.is_history_lost``) raises ``history.HistoryLost`` naming its collection; nothing is taken.
@@ -106,10 +108,13 @@ class StreamBatch:
 
 
 def open_stream(
-    client: pymongo.MongoClient, table: CapturedCollection, start: int, full_document: str, split_large_events: bool
-) -> clients.ChangeCursor:
+    client: pymongo.MongoClient, table: CapturedCollection, start: int, full_document: str, split_large_events: bool,
+    before_change: str = "off",
+) -> clients.ChangeCursor:  # fmt: skip
     collection = client[table.database][table.collection]
-    return clients.ChangeCursor(collection, start, full_document, split_large_events=split_large_events)
+    return clients.ChangeCursor(
+        collection, start, full_document, split_large_events=split_large_events, before_change=before_change
+    )
 
 
 def _guarded(table: CapturedCollection, action: Callable[[], _T]) -> _T:
@@ -238,6 +243,7 @@ def read_batch(
     client: pymongo.MongoClient, capabilities: clients.Capabilities, latest: clients.LatestEvent,
     tables: Sequence[CapturedCollection], start: int, max_changes: int, max_bytes: int, full_document: str,
     spill_dir: Path, on_bound: Callable[[int], None] | None = None, until: int | None = None,
+    before_change: str = "off",
 ) -> tuple[StreamBatch, dict[str, SpilledTable]]:  # fmt: skip
     """Events after position ``start - 1`` and at or before ``until`` (see the module docstring), their rows spilled
     to ``spill_dir``."""
@@ -257,7 +263,9 @@ def read_batch(
     try:
         split = capabilities.split_large_events
         for name, table in by_name.items():
-            cursors[name] = _guarded(table, lambda table=table: open_stream(client, table, start, full_document, split))
+            cursors[name] = _guarded(
+                table, lambda table=table: open_stream(client, table, start, full_document, split, before_change)
+            )
         merge = Merge(cursors, by_name, start, bound, capabilities.cluster_time)
         batch = _rows(_checked(client, merge), lambda: max(merge.reached, start - 1), max_changes, max_bytes, spill.add)
         batch.waiting += merge.waiting()
@@ -336,13 +344,25 @@ def _row(event: Event) -> dict[str, Any] | None:
         if not isinstance(document, Mapping) or "_id" not in document:
             return None  # deleted since the event (see the module docstring)
         after = document_row(dict(document), event.table.fields)
-        return {**base, "_cdc_op": "c" if operation == "insert" else "u", "after": after, "before": None}
+        return {**base, "_cdc_op": "c" if operation == "insert" else "u", "after": after, "before": _pre_image(event)}
     if operation == "delete":
+        before = _pre_image(event)
+        if before is not None:
+            return {**base, "_cdc_op": "d", "after": None, "before": before}
         key = (raw.get("documentKey") or {})["_id"]
         # the key alone (declared fields NULL, as the document)
         before = {KEY_COLUMN: id_key(key), "_id": canonical_json(key), "document": None, "_cdc_unrepresentable": None}
         return {**base, "_cdc_op": "d", "_cdc_before_key_only": True, "after": None, "before": before}
     return None
+
+
+def _pre_image(event: Event) -> dict[str, Any] | None:
+    """The document before the change (``fullDocumentBeforeChange``) as a lake row, or None: pre-images not asked
+    for, not enabled on the collection, expired, or an insert."""
+    document = event.raw.get("fullDocumentBeforeChange")
+    if not isinstance(document, Mapping) or "_id" not in document:
+        return None
+    return document_row(dict(document), event.table.fields)
 
 
 @dataclass

@@ -90,6 +90,17 @@ def test_unsupported_modes_are_named_with_the_allowed_ones() -> None:
         parse({**SOURCE, "mongodb": {"on_history_lost": "skip"}})
 
 
+def test_pre_images_are_off_unless_asked_for_and_their_mode_is_validated() -> None:
+    assert parse(SOURCE).source("docs").mongodb.full_document_before_change == "off"
+    for mode in ("whenAvailable", "required", "off"):
+        options = parse({**SOURCE, "mongodb": {"full_document_before_change": mode}}).source("docs").mongodb
+        assert options.full_document_before_change == mode
+    assert parse({**SOURCE, "mongodb": {"full_document_before_change": False}}).source("docs").mongodb == MongoOptions()
+    with pytest.raises(ConfigError, match=r"sources\[0\]\.mongodb\.full_document_before_change: 'always' is not "
+                                          r"allowed; allowed: off, whenAvailable, required"):  # fmt: skip
+        parse({**SOURCE, "mongodb": {"full_document_before_change": "always"}})
+
+
 def test_every_startup_mode_and_the_history_lost_option() -> None:
     for mode in ("initial", "latest", "snapshot"):
         source = parse({**SOURCE, "startup_mode": mode}).source("docs")

@@ -55,6 +55,30 @@ def test_events_become_rows_and_a_failed_lookup_yields_none() -> None:
     assert rows[0]["_cdc_ts"] == datetime.fromtimestamp(10, UTC)
 
 
+def test_pre_images_fill_the_before_image_where_the_server_gives_them() -> None:
+    before = {"_id": 1, "x": 1}
+    events = [
+        event(ITEMS, 11, 1, {"operationType": "update", "documentKey": {"_id": 1}, "fullDocument": {"_id": 1, "x": 2},
+                             "fullDocumentBeforeChange": before}),
+        event(ITEMS, 11, 2, {"operationType": "replace", "documentKey": {"_id": 1}, "fullDocument": {"_id": 1, "y": 1},
+                             "fullDocumentBeforeChange": {"_id": 1, "x": 2}}),
+        event(ITEMS, 11, 3, {"operationType": "delete", "documentKey": {"_id": 1},
+                             "fullDocumentBeforeChange": {"_id": 1, "y": 1}}),
+        # whenAvailable and none kept (pre-images not enabled, or expired): as without the option
+        event(ITEMS, 11, 4, {"operationType": "update", "documentKey": {"_id": 2}, "fullDocument": {"_id": 2},
+                             "fullDocumentBeforeChange": None}),
+        event(ITEMS, 11, 5, {"operationType": "delete", "documentKey": {"_id": 2}, "fullDocumentBeforeChange": None}),
+    ]  # fmt: skip
+    rows = _rows(events, lambda: position_of(Timestamp(11, 9)), 100, 10**9).rows["shop.items"]
+    assert [r["_cdc_op"] for r in rows] == ["u", "u", "d", "u", "d"]
+    assert rows[0]["before"] == document_row(before) and rows[0]["after"] == document_row({"_id": 1, "x": 2})
+    assert rows[1]["before"]["document"] == '{"_id":{"$numberInt":"1"},"x":{"$numberInt":"2"}}'
+    assert rows[2]["before"]["document"] == '{"_id":{"$numberInt":"1"},"y":{"$numberInt":"1"}}'
+    assert not rows[2]["_cdc_before_key_only"] and rows[2]["after"] is None
+    assert rows[3]["before"] is None
+    assert rows[4]["_cdc_before_key_only"] and rows[4]["before"]["document"] is None
+
+
 def test_a_batch_is_cut_between_cluster_times_never_inside_one() -> None:
     insert = {"operationType": "insert"}
     events = [event(ITEMS, 10, 1, {**insert, "fullDocument": {"_id": 1}}, 1)]
