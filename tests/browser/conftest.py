@@ -17,7 +17,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -42,7 +41,7 @@ from tests.browser.ui_support import (
     DagsterUi,
     screenshot,
 )
-from tests.integration.support import READER_PASSWORD, drop_source
+from tests.integration.support import READER_PASSWORD, drop_source, free_port
 
 
 @pytest.fixture(scope="session")
@@ -150,12 +149,6 @@ def dagster_ui(
         stop_process_group(server)
         shutil.copy(log_path, ARTIFACTS / "dagster-dev.log")
         drop_source(admin_dsn, DATABASE)
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def graphql(url: str, query: str) -> dict:

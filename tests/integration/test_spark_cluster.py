@@ -16,7 +16,6 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -31,16 +30,17 @@ from pyspark.sql import SparkSession
 
 from cdc_assets.config import load_config
 from cdc_assets.sources.postgres.pipeline import PostgresPipeline
-from tests.integration.support import PG_PORT, READER_PASSWORD, mirror_rows, seeded_source, source_rows
+from tests.integration.support import (
+    PG_PORT,
+    READER_PASSWORD,
+    free_port,
+    mirror_rows,
+    seeded_source,
+    source_rows,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 DATABASE = "pipe_cluster"
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def spark_class() -> Path:
