@@ -41,7 +41,8 @@ from tests.browser.ui_support import (
     DagsterUi,
     screenshot,
 )
-from tests.integration.support import READER_PASSWORD, drop_source, free_port
+from tests.integration.support import READER_PASSWORD, drop_source
+from tools.spark_standalone import free_port
 
 
 @pytest.fixture(scope="session")

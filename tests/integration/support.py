@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -207,10 +206,3 @@ def commit_held_by_absent_standby(admin_dsn: str, database: str, statement: str)
         held.close()
         root.close()
     assert not errors, errors
-
-
-def free_port() -> int:
-    """A loopback port free when asked (for a server the test starts)."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]

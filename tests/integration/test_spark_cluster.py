@@ -20,7 +20,6 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -33,60 +32,21 @@ from cdc_assets.sources.postgres.pipeline import PostgresPipeline
 from tests.integration.support import (
     PG_PORT,
     READER_PASSWORD,
-    free_port,
     mirror_rows,
     seeded_source,
     source_rows,
 )
+from tools.spark_standalone import free_port, standalone_cluster
 
 ROOT = Path(__file__).resolve().parents[2]
 DATABASE = "pipe_cluster"
 
 
-def spark_class() -> Path:
-    import pyspark
-
-    return Path(pyspark.__file__).parent / "bin" / "spark-class"
-
-
 @pytest.fixture(scope="module")
 def spark_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """A standalone master and two workers on loopback; yields the master's URL; stops them (process groups)."""
-    work = tmp_path_factory.mktemp("spark-cluster")
-    port, ui = free_port(), free_port()
-    env = {**os.environ, "SPARK_LOCAL_IP": "127.0.0.1", "SPARK_NO_DAEMONIZE": "1"}
-    processes = [subprocess.Popen(
-        [str(spark_class()), "org.apache.spark.deploy.master.Master", "--host", "127.0.0.1", "--port", str(port),
-         "--webui-port", str(ui)],
-        stdout=(work / "master.log").open("w"), stderr=subprocess.STDOUT, env=env, start_new_session=True,
-    )]  # fmt: skip
-    master = f"spark://127.0.0.1:{port}"
-    try:
-        for n in (1, 2):
-            processes.append(subprocess.Popen(
-                [str(spark_class()), "org.apache.spark.deploy.worker.Worker", master, "--host", "127.0.0.1",
-                 "--cores", "1", "--memory", "2g", "--webui-port", str(free_port()), "--work-dir",
-                 str(work / f"worker-{n}")],
-                stdout=(work / f"worker-{n}.log").open("w"), stderr=subprocess.STDOUT, env=env, start_new_session=True,
-            ))  # fmt: skip
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                state = json.load(urllib.request.urlopen(f"http://127.0.0.1:{ui}/json/", timeout=5))
-                if [w["state"] for w in state["workers"]] == ["ALIVE", "ALIVE"]:
-                    break
-            except OSError:
-                pass
-            assert time.monotonic() < deadline, (work / "master.log").read_text()[-3000:]
-            time.sleep(1)
-        yield master
-    finally:
-        for process in processes:
-            try:
-                os.killpg(process.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            process.wait()
+    """A standalone master and two workers (one core, 2 GB) on loopback; yields the master's URL."""
+    with standalone_cluster(tmp_path_factory.mktemp("spark-cluster"), workers=2, cores=1, memory="2g") as cluster:
+        yield cluster.master
 
 
 CONFIG = """
