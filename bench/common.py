@@ -163,6 +163,7 @@ def pipeline_config(
     spill_rows: int = 50_000,
     read_parallelism: int = 2,
     spark_conf: dict[str, str] | None = None,
+    spark_master: str = "local[2]",
 ) -> Any:
     """A ``CdcConfig`` with one PostgreSQL source ``source_name`` (slot and publication of the same name); the batch
     bound ``max_changes`` is the source default (``StreamConfig``) unless given."""
@@ -192,7 +193,9 @@ def pipeline_config(
             max_changes=StreamConfig.max_changes if max_changes is None else max_changes, spill_rows=spill_rows
         ),
     )
-    return CdcConfig(lake_root=lake_root, spark=SparkConfig(conf=dict(spark_conf or {})), sources=(source,))
+    return CdcConfig(
+        lake_root=lake_root, spark=SparkConfig(master=spark_master, conf=dict(spark_conf or {})), sources=(source,)
+    )
 
 
 def parse_lsn_text(text: str) -> int:

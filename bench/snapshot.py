@@ -18,6 +18,16 @@ reused) it measures, one after the other, after one untimed warm-up scan of the 
    (a hash of every column summed), and the mirror read and written again as a new Delta table made like the
    mirror. The time of this write is the least any snapshot that lands its rows in such a table through Spark can
    take here, so ``copy`` seconds / floor seconds is the highest ours/copy ratio reachable on this machine.
+5. ``spark_jdbc``: what a Spark user writes instead of ours: ``spark.read.jdbc`` of the table partitioned on its key
+   (``numPartitions`` = the master's cores, bounds from a ``min``/``max`` query, ``fetchsize`` 10000 so that a
+   partition is not read into memory whole), then ``.write.format("delta")`` into a fresh directory; wall time
+   from the process's start, Spark's start included. Then, untimed, the same read of ``bench_snap_odd_values``
+   (numeric ``NaN``, a numeric of 45 digits, dates and timestamps at +-infinity, one column each), printing what the
+   peer returns or the error it raises for each: the values our codec keeps exactly.
+6. ``ours_cluster``: ours again with ``spark.master`` on a standalone cluster the command starts on loopback
+   (``tools/spark_standalone.py``: ``--cluster-workers`` workers of one core and ``--cluster-worker-memory`` each),
+   the driver in the worker process as for ``ours``. The executors' CPU (their JVMs, their Python workers) is
+   sampled from the workers' process trees and added to the ``cpu jvm`` / ``cpu pyw`` columns.
 
 dlt and ours run in their own Python process each (clean peak RSS). Reported per tool: wall seconds, rows/s, CPU
 seconds of the client driver (Python or psql), of the Spark JVM and of Spark's Python workers, CPU seconds of the
@@ -25,6 +35,9 @@ PostgreSQL backends serving the reads, peak RSS of driver / JVM / Python workers
 in a thread; the driver's own peak from ``getrusage``), and the output size; then the ratios ours/copy and
 ours/dlt (of wall seconds and of total client CPU seconds). Every result is checked: the row count in the dlt Delta
 table and in our mirror must equal N.
+
+``--tools`` picks and orders the steps (default ``copy,dlt,ours``; the bench extra's jars are needed for
+``spark_jdbc``: ``EXTRAS=bench scripts/setup.sh``).
 
 Output: the results table on stdout, ``bench/out/snapshot-<utc>.json``, ``bench/out/snapshot_rates.png`` (rows/s
 per tool and size), ``bench/out/snapshot_rss_<N>.png`` (RSS over time of dlt and ours) and, for several sizes,
@@ -35,6 +48,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import subprocess
 import sys
 import time
@@ -52,6 +66,7 @@ from bench.common import (
     drop_capture,
     ensure_database,
     fresh_dir,
+    grant_select,
     machine,
     pg_port,
     pipeline_config,
@@ -66,6 +81,7 @@ from bench.common import (
     usage_json,
 )
 from bench.datagen import COLUMNS, ensure_table
+from tools.spark_standalone import standalone_cluster
 
 SOURCE = "bench_snap"
 SERIES_POINTS = 400
@@ -137,7 +153,9 @@ def worker_ours(args: argparse.Namespace) -> dict[str, Any]:
     from cdc_assets.lake.spark import spark_session
     from cdc_assets.sources.postgres.pipeline import PostgresPipeline
 
-    config = pipeline_config(SOURCE, lake, [args.table], chunk_size=args.chunk_size)
+    config = pipeline_config(
+        SOURCE, lake, [args.table], chunk_size=args.chunk_size, spark_master=args.master, spark_conf=cluster_conf(args)
+    )
     phases: dict[str, float] = {}
     mark = time.monotonic()
     spark = spark_session(config.spark)
@@ -178,7 +196,7 @@ def worker_ours(args: argparse.Namespace) -> dict[str, Any]:
     floor = spark_delta_floor(spark, mirror, lake / "floor", list(table.columns))
     spark.stop()
     return {
-        "tool": "ours",
+        "tool": "ours" if args.master.startswith("local") else "ours_cluster",
         "rows": rows,
         "seconds": seconds,
         "usage": usage_json(usage),
@@ -219,6 +237,110 @@ def spark_delta_floor(spark: Any, mirror: str, target: Path, columns: list[Any])
             "read_write_jvm_cpu": round(jvm_cpu, 1)}  # fmt: skip
 
 
+def cluster_conf(args: argparse.Namespace) -> dict[str, str]:
+    """The driver's settings on a standalone master (none for ``local[...]``): one core per executor, the executors'
+    memory, every address on loopback."""
+    if args.master.startswith("local"):
+        return {}
+    return {
+        "spark.executor.cores": "1",
+        "spark.executor.memory": args.cluster_executor_memory,
+        "spark.driver.host": "127.0.0.1",
+        "spark.driver.bindAddress": "127.0.0.1",
+    }
+
+
+def bench_jars() -> list[str]:
+    """The bench extra's jars (``jvm/bench/pom.xml``), fetched into ``.jars/bench/`` by ``EXTRAS=bench
+    scripts/setup.sh``."""
+    from cdc_assets.lake.spark import ROOT as PROJECT_ROOT
+
+    folder = Path(os.environ.get("CDC_JARS_DIR", PROJECT_ROOT / ".jars")) / "bench"
+    jars = sorted(str(p) for p in folder.glob("*.jar"))
+    if not any("postgresql" in Path(j).name for j in jars):
+        raise RuntimeError(f"no PostgreSQL JDBC driver in {folder}: run EXTRAS=bench scripts/setup.sh")
+    return jars
+
+
+ODD_VALUES_TABLE = "bench_snap_odd_values"
+ODD_VALUES_SQL = f"""
+drop table if exists {ODD_VALUES_TABLE};
+create table {ODD_VALUES_TABLE} (id bigint primary key, nan numeric, wide numeric, day date, at timestamptz);
+insert into {ODD_VALUES_TABLE} values
+    (1, 'NaN', 123456789012345678901234567890.123456789012345, 'infinity', 'infinity'),
+    (2, 1.5, 0.000000000000000000001, '-infinity', '-infinity'),
+    (3, 2.5, 1, '2024-02-29', '2024-02-29 12:00:00.123456+00');
+"""
+
+
+def jdbc_source() -> tuple[str, dict[str, str]]:
+    url = f"jdbc:postgresql://127.0.0.1:{pg_port()}/{DATABASE}"
+    properties = {"user": READER, "password": reader_password(), "driver": "org.postgresql.Driver"}
+    return url, {**properties, "fetchsize": "10000"}
+
+
+def first_cause(text: str) -> str:
+    """The cause of a Py4J error: its first ``Caused by:`` exception line, else its first exception line (the text's
+    first line says only which call failed)."""
+    lines = [line.strip().removeprefix(": ") for line in text.strip().splitlines() if line.strip()]
+    exception = re.compile(r"^[\w.$]+(Exception|Error): ")
+    causes = [line.removeprefix("Caused by: ") for line in lines if line.startswith("Caused by: ")]
+    found = causes or [line for line in lines if exception.match(line)] or lines
+    return found[0][:240]
+
+
+def worker_spark_jdbc(args: argparse.Namespace) -> dict[str, Any]:
+    """Step 5 of the module docstring: the Spark user's snapshot, then the odd values' read."""
+    out = Path(args.out)
+    sampler = Sampler(os.getpid()).start()
+    started = time.monotonic()
+    from cdc_assets.config import SparkConfig
+    from cdc_assets.lake.spark import delta_jars, spark_session
+
+    password = reader_password()
+    try:
+        spark = spark_session(
+            SparkConfig(master=args.master, conf={"spark.jars": ",".join([*delta_jars(), *bench_jars()])})
+        )
+        spark_start = time.monotonic() - started
+        url, properties = jdbc_source()
+        bounds = spark.read.jdbc(
+            url, f"(select min(id) as lo, max(id) as hi from public.{args.table}) as bounds", properties=properties
+        ).first()
+        partitions = spark.sparkContext.defaultParallelism
+        frame = spark.read.jdbc(
+            url, f"public.{args.table}", column="id", lowerBound=bounds["lo"], upperBound=bounds["hi"] + 1,
+            numPartitions=partitions, properties=properties,
+        )  # fmt: skip
+        target = str(out / "lake")
+        frame.write.format("delta").save(target)
+        seconds = time.monotonic() - started
+        usage = sampler.finish()
+        rows = spark.read.format("delta").load(target).count()
+        odd_values = {}
+        for column in ("nan", "wide", "day", "at"):
+            query = f"(select id, {column} from public.{ODD_VALUES_TABLE} order by id) as odd"
+            try:
+                found = spark.read.jdbc(url, query, properties=properties).orderBy("id").collect()
+                odd_values[column] = [str(row[column]) for row in found]
+            except Exception as error:  # the peer's own error is the finding
+                odd_values[column] = "error: " + first_cause(str(error).replace(password, "***"))
+        spark.stop()
+    except Exception as error:  # never let the password reach the log
+        raise RuntimeError(str(error).replace(password, "***")) from None
+    return {
+        "tool": "spark_jdbc",
+        "rows": rows,
+        "seconds": seconds,
+        "usage": usage_json(usage),
+        "output_mb": round(dir_size(out / "lake") / MB, 1),
+        "partitions": partitions,
+        "phases": {"spark_start": round(spark_start, 2)},
+        "odd_values": odd_values,
+        "series": _series(sampler),
+    }
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # parent
 
@@ -246,8 +368,76 @@ def warm_up(table: str) -> float:
     return time.monotonic() - started
 
 
+CLIENT_ROLES = ("driver", "jvm", "py_workers", "cluster_jvm", "cluster_pyw")
+
+
 def client_cpu(result: dict[str, Any]) -> float:
-    return sum(result["usage"].get(role, {}).get("cpu_seconds", 0.0) for role in ("driver", "jvm", "py_workers"))
+    return sum(result["usage"].get(role, {}).get("cpu_seconds", 0.0) for role in CLIENT_ROLES)
+
+
+def cluster_usage(usages: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """The standalone workers' process trees (``Sampler`` rooted at each worker's JVM) as two roles: ``cluster_jvm``
+    (the workers' and their executors' JVMs) and ``cluster_pyw`` (the executors' Python workers). A peak RSS is the
+    sum of each tree's peak: an upper bound (the trees were sampled apart)."""
+    merged: dict[str, dict[str, float]] = {}
+    for usage in usages:
+        for role, item in usage_json(usage).items():
+            name = {"driver": "cluster_jvm", "jvm": "cluster_jvm", "py_workers": "cluster_pyw"}.get(role)
+            if name is None:
+                continue
+            into = merged.setdefault(name, {"peak_rss_mb": 0.0, "cpu_seconds": 0.0, "processes": 0})
+            for key in into:
+                into[key] = round(into[key] + item[key], 2)
+    return merged
+
+
+def run_ours(table: str, rows: int, args: argparse.Namespace, tool: str) -> dict[str, Any]:
+    """``ours`` on ``local[2]``, or ``ours_cluster`` on a standalone cluster started for it."""
+    out = fresh_dir(f"lake-{tool}-{rows}")
+    with admin_connect() as conn:
+        reset_capture(conn, SOURCE, [table])
+    worker_args = ["--worker", "ours", "--table", table, "--out", str(out), "--chunk-size", str(args.chunk_size),
+                   "--chunks-per-call", str(args.chunks_per_call),
+                   "--cluster-executor-memory", args.cluster_executor_memory]  # fmt: skip
+    try:
+        if tool == "ours":
+            return run_worker("bench.snapshot", worker_args, f"snapshot-ours-{rows}")
+        work = fresh_dir(f"cluster-{rows}")
+        try:
+            with standalone_cluster(
+                work, workers=args.cluster_workers, cores=1, memory=args.cluster_worker_memory
+            ) as cluster:
+                samplers = [Sampler(pid, pg_users=(), lifetime_peak=False).start() for pid in cluster.worker_pids]
+                worker_args += ["--master", cluster.master]
+                result = run_worker("bench.snapshot", worker_args, f"snapshot-{tool}-{rows}")
+                result["usage"] |= cluster_usage([sampler.finish() for sampler in samplers])
+                result["master"] = cluster.master
+                result["workers"] = f"{args.cluster_workers} x 1 core, {args.cluster_worker_memory}"
+                return result
+        finally:
+            if not args.keep:
+                remove_dir(work)
+    finally:
+        with admin_connect() as conn:
+            drop_capture(conn, SOURCE)
+        if not args.keep:
+            remove_dir(out)
+
+
+def run_spark_jdbc(table: str, rows: int, args: argparse.Namespace) -> dict[str, Any]:
+    out = fresh_dir(f"spark-jdbc-{rows}")
+    with admin_connect() as conn:
+        conn.execute(ODD_VALUES_SQL)
+        grant_select(conn, ODD_VALUES_TABLE)
+    try:
+        return run_worker("bench.snapshot", ["--worker", "spark_jdbc", "--table", table, "--out", str(out)],
+                          f"snapshot-spark-jdbc-{rows}")  # fmt: skip
+    finally:
+        if not args.keep:
+            remove_dir(out)
+
+
+TOOLS = ("copy", "dlt", "spark_jdbc", "ours", "ours_cluster")
 
 
 def run_size(rows: int, args: argparse.Namespace) -> dict[str, Any]:
@@ -258,50 +448,40 @@ def run_size(rows: int, args: argparse.Namespace) -> dict[str, Any]:
     print(f"[snapshot] table {table}: {'built' if built else 'reused'} ({build_seconds:.1f} s); "
           f"warm-up scan {warm_up(table):.1f} s", flush=True)  # fmt: skip
     results: dict[str, dict[str, Any]] = {}
-    tools = [t.strip() for t in args.tools.split(",") if t.strip()]
-    if "copy" in tools:
-        results["copy"] = run_copy(table)
-        results["copy"]["rows"] = rows
-        print(f"[snapshot] copy: {results['copy']['seconds']:.1f} s", flush=True)
-    if "dlt" in tools:
-        out = fresh_dir(f"dlt-{rows}")
-        try:
-            results["dlt"] = run_worker(
-                "bench.snapshot",
-                ["--worker", "dlt", "--table", table, "--out", str(out), "--dlt-return-type", args.dlt_return_type],
-                f"snapshot-dlt-{rows}",
-                env={"RUNTIME__DLTHUB_TELEMETRY": "false", "DLT_DATA_DIR": str(out / "dlt_data")},
-            )
-        finally:
-            if not args.keep:
-                remove_dir(out)
-        print(f"[snapshot] dlt: {results['dlt']['seconds']:.1f} s", flush=True)
-    if "ours" in tools:
-        out = fresh_dir(f"lake-{rows}")
-        with admin_connect() as conn:
-            reset_capture(conn, SOURCE, [table])
-        try:
-            results["ours"] = run_worker(
-                "bench.snapshot",
-                ["--worker", "ours", "--table", table, "--out", str(out), "--chunk-size", str(args.chunk_size),
-                 "--chunks-per-call", str(args.chunks_per_call)],
-                f"snapshot-ours-{rows}",
-            )  # fmt: skip
-        finally:
-            with admin_connect() as conn:
-                drop_capture(conn, SOURCE)
-            if not args.keep:
-                remove_dir(out)
-        print(f"[snapshot] ours: {results['ours']['seconds']:.1f} s {results['ours']['phases']}", flush=True)
+    for tool in [t.strip() for t in args.tools.split(",") if t.strip()]:
+        if tool == "copy":
+            results["copy"] = run_copy(table)
+            results["copy"]["rows"] = rows
+        elif tool == "dlt":
+            out = fresh_dir(f"dlt-{rows}")
+            try:
+                results["dlt"] = run_worker(
+                    "bench.snapshot",
+                    ["--worker", "dlt", "--table", table, "--out", str(out), "--dlt-return-type", args.dlt_return_type],
+                    f"snapshot-dlt-{rows}",
+                    env={"RUNTIME__DLTHUB_TELEMETRY": "false", "DLT_DATA_DIR": str(out / "dlt_data")},
+                )
+            finally:
+                if not args.keep:
+                    remove_dir(out)
+        elif tool == "spark_jdbc":
+            results[tool] = run_spark_jdbc(table, rows, args)
+        elif tool in ("ours", "ours_cluster"):
+            results[tool] = run_ours(table, rows, args, tool)
+        else:
+            raise SystemExit(f"--tools: unknown tool {tool!r}; allowed: {', '.join(TOOLS)}")
+        print(f"[snapshot] {tool}: {results[tool]['seconds']:.1f} s {results[tool].get('phases', '')}", flush=True)
     for name, result in results.items():
         if result["rows"] != rows:
             raise RuntimeError(f"{name} produced {result['rows']} rows, expected {rows}")
     ratios = {}
-    if "ours" in results:
-        for other in ("copy", "dlt"):
-            if other in results:
-                ratios[f"ours/{other} seconds"] = results["ours"]["seconds"] / results[other]["seconds"]
-                ratios[f"ours/{other} client cpu"] = client_cpu(results["ours"]) / max(client_cpu(results[other]), 1e-9)
+    for ours in ("ours", "ours_cluster"):
+        if ours in results:
+            for other in ("copy", "dlt", "spark_jdbc", "ours"):
+                if other in results and other != ours:
+                    ratios[f"{ours}/{other} seconds"] = results[ours]["seconds"] / results[other]["seconds"]
+                    cpu = client_cpu(results[ours]) / max(client_cpu(results[other]), 1e-9)
+                    ratios[f"{ours}/{other} client cpu"] = cpu
     return {"rows": rows, "table": table, "columns": COLUMNS, "built": built, "results": results, "ratios": ratios}
 
 
@@ -316,35 +496,60 @@ def report(runs: list[dict[str, Any]], args: argparse.Namespace) -> None:
             def get(role: str, key: str, usage: dict[str, Any] = u) -> float | None:
                 return usage.get(role, {}).get(key)
 
-            cpu = [get(role, "cpu_seconds") for role in ("driver", "jvm", "py_workers", "pg_backends")]
+            def total(*roles: str, key: str = "cpu_seconds") -> float | None:
+                values = [value for role in roles if (value := get(role, key)) is not None]
+                return sum(values) if values else None
+
+            cpu = [get("driver", "cpu_seconds"), total("jvm", "cluster_jvm"), total("py_workers", "cluster_pyw"),
+                   get("pg_backends", "cpu_seconds")]  # fmt: skip
             rss = [get(role, "peak_rss_mb") for role in ("driver", "jvm", "py_workers")]
             lines.append([run["rows"], tool, r["seconds"], run["rows"] / r["seconds"], *cpu, *rss, r["output_mb"]])
     print()
     print_table(f"Snapshot benchmark ({machine()}; chunk_size {args.chunk_size}, {args.chunks_per_call} chunks/call)",
                 header, lines)  # fmt: skip
+    print("  (ours_cluster: cpu jvm and cpu pyw include the standalone workers' and executors' processes; the rss "
+          "columns are the driver's process tree only)")  # fmt: skip
     for run in runs:
+        results = run["results"]
         for name, value in run["ratios"].items():
-            print(f"  {run['rows']:>12,} rows  {name:<24} {value:6.2f}x")
-        ours = run["results"].get("ours")
-        if ours:
-            print(f"  {run['rows']:>12,} rows  ours phases (s): {ours['phases']}  chunks: {ours['chunks']}, "
+            print(f"  {run['rows']:>12,} rows  {name:<28} {value:6.2f}x")
+        for tool in ("ours", "ours_cluster"):
+            ours = results.get(tool)
+            if not ours:
+                continue
+            where = f" on {ours['master']} ({ours['workers']})" if "master" in ours else ""
+            print(f"  {run['rows']:>12,} rows  {tool}{where} phases (s): {ours['phases']}  chunks: {ours['chunks']}, "
                   f"stream batches: {len(ours['stream_batches'])}")  # fmt: skip
+            python, jvm = ours["usage"].get("cluster_pyw"), ours["usage"].get("cluster_jvm")
+            if python and jvm:
+                print(f"  {run['rows']:>12,} rows  {tool} executors: Python workers {python['cpu_seconds']} CPU s, "
+                      f"JVMs {jvm['cpu_seconds']} CPU s (peak RSS at most {jvm['peak_rss_mb']:,.0f} + "
+                      f"{python['peak_rss_mb']:,.0f} MB)")  # fmt: skip
             floor = ours["floor"]
-            line = (f"  {run['rows']:>12,} rows  floor, Spark + Delta alone (warm JVM): read {floor['read_seconds']} s,"
-                    f" read + write as a new mirror {floor['read_write_seconds']} s "
-                    f"({run['rows'] / floor['read_write_seconds']:,.0f} rows/s, JVM CPU "
+            line = (f"  {run['rows']:>12,} rows  {tool} floor, Spark + Delta alone (warm JVM): read "
+                    f"{floor['read_seconds']} s, read + write as a new mirror {floor['read_write_seconds']} s "
+                    f"({run['rows'] / floor['read_write_seconds']:,.0f} rows/s, driver JVM CPU "
                     f"{floor.get('read_write_jvm_cpu')} s)")  # fmt: skip
-            for other, target in (("copy", 0.5), ("dlt", 1.5)):
-                if other in run["results"]:
-                    best = run["results"][other]["seconds"] / floor["read_write_seconds"]
-                    line += f"; highest ours/{other} reachable {best:.2f}x (target {target}x)"
             print(line)
+            for other, target in (("spark_jdbc", 1.0), ("dlt", 1.0), ("copy", None)):
+                if other in results:
+                    speed = results[other]["seconds"] / ours["seconds"]
+                    best = results[other]["seconds"] / floor["read_write_seconds"]
+                    goal = f" (target >= {target}x)" if target else ""
+                    print(f"  {run['rows']:>12,} rows  {tool} speed against {other} (its seconds / ours): {speed:.2f}x"
+                          f"{goal}; highest reachable by the floor's write alone: {best:.2f}x")  # fmt: skip
+        peer = results.get("spark_jdbc")
+        if peer:
+            print(f"  {run['rows']:>12,} rows  spark_jdbc: {peer['partitions']} partitions, Spark start "
+                  f"{peer['phases']['spark_start']} s; on {ODD_VALUES_TABLE} (rows 1, 2, 3):")  # fmt: skip
+            for column, found in peer["odd_values"].items():
+                print(f"      {column}: {found}")
     plot(runs)
 
 
 def plot(runs: list[dict[str, Any]]) -> None:
     plt = pyplot()
-    tools = ["copy", "dlt", "ours"]
+    tools = [t for t in TOOLS if any(t in run["results"] for run in runs)]
     fig, ax = plt.subplots(figsize=(7, 4))
     width = 0.8 / max(1, len(runs))
     for i, run in enumerate(runs):
@@ -357,7 +562,7 @@ def plot(runs: list[dict[str, Any]]) -> None:
     save_figure(fig, "snapshot_rates.png")
     for run in runs:
         fig, ax = plt.subplots(figsize=(8, 4))
-        for tool in ("dlt", "ours"):
+        for tool in ("dlt", "spark_jdbc", "ours", "ours_cluster"):
             series = run["results"].get(tool, {}).get("series")
             if not series:
                 continue
@@ -390,14 +595,18 @@ def plot(runs: list[dict[str, Any]]) -> None:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", default="10000000", help="table size, or several comma-separated (default 10M)")
-    parser.add_argument("--tools", default="copy,dlt,ours", help="subset of copy,dlt,ours")
+    parser.add_argument("--tools", default="copy,dlt,ours", help=f"in this order, of: {','.join(TOOLS)}")
     parser.add_argument("--chunk-size", type=int, default=250_000, help="our chunk size in rows (default 250000)")
     parser.add_argument("--chunks-per-call", type=int, default=4, help="chunks per snapshot call (Dagster: 4)")
     parser.add_argument("--dlt-return-type", default="arrow", choices=["arrow", "arrow_stream"])
     parser.add_argument("--rebuild", action="store_true", help="rebuild the table even when it exists")
     parser.add_argument("--prepare-only", action="store_true", help="only build the table(s), measure nothing")
     parser.add_argument("--keep", action="store_true", help="keep the dlt output and our lake under bench/out/work")
-    parser.add_argument("--worker", choices=["dlt", "ours"], help=argparse.SUPPRESS)
+    parser.add_argument("--cluster-workers", type=int, default=2, help="ours_cluster: standalone workers (1 core each)")
+    parser.add_argument("--cluster-worker-memory", default="4g", help="ours_cluster: each worker's memory (4g)")
+    parser.add_argument("--cluster-executor-memory", default="3g", help="ours_cluster: spark.executor.memory (3g)")
+    parser.add_argument("--worker", choices=["dlt", "ours", "spark_jdbc"], help=argparse.SUPPRESS)
+    parser.add_argument("--master", default="local[2]", help=argparse.SUPPRESS)
     parser.add_argument("--table", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
@@ -414,6 +623,11 @@ def main(argv: list[str] | None = None) -> int:
         from bench.common import emit_result
 
         emit_result(worker_ours(args))
+        return 0
+    if args.worker == "spark_jdbc":
+        from bench.common import emit_result
+
+        emit_result(worker_spark_jdbc(args))
         return 0
     ensure_database()
     sizes = [int(s.replace("_", "")) for s in args.rows.split(",") if s.strip()]

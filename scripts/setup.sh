@@ -42,4 +42,11 @@ if [ ! -f .jars/mongo-test-server/.complete ] \
   cp "$MTS/target/mongo-test-server.jar" .jars/mongo-test-server/
   touch .jars/mongo-test-server/.complete
 fi
+# the benchmarks' own jars (bench.snapshot's spark_jdbc tool), only with the bench extra
+if [[ ",${EXTRAS:-}," == *",bench,"* ]] \
+  && { [ ! -f .jars/bench/.complete ] || [ jvm/bench/pom.xml -nt .jars/bench/.complete ]; }; then
+  rm -rf .jars/bench
+  (cd jvm/bench && mvn -q -B dependency:copy-dependencies -DoutputDirectory=../../.jars/bench -DincludeScope=runtime)
+  touch .jars/bench/.complete
+fi
 echo "setup complete: .venv and .jars ready"
