@@ -77,9 +77,11 @@ class MongoTestServer:
             self.log_path.unlink(missing_ok=True)
 
 
-def start_mongo_test_server(log_dir: Path, timeout: float = 60.0, port: int = 0) -> MongoTestServer:
+def start_mongo_test_server(
+    log_dir: Path, timeout: float = 60.0, port: int = 0, data_file: Path | None = None
+) -> MongoTestServer:
     """Start the launcher on loopback ``port`` (0: a free one) and wait until it answers ``ping`` (see the module
-    docstring)."""
+    docstring). ``data_file``: the H2 backend in that file (the demo's server), else the memory backend."""
     java = shutil.which("java")
     if java is None:
         raise MongoTestServerError("no `java` on PATH: the MongoDB test server needs Java 17 (scripts/setup.sh)")
@@ -90,9 +92,10 @@ def start_mongo_test_server(log_dir: Path, timeout: float = 60.0, port: int = 0)
         )
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"server-{os.getpid()}-{time.time_ns()}.log"
+    backend = [str(data_file)] if data_file else []
     with log_path.open("w") as log:
         process = subprocess.Popen(
-            [java, "-cp", f"{jars}/*", LAUNCHER_CLASS, "127.0.0.1", str(port)],
+            [java, "-cp", f"{jars}/*", LAUNCHER_CLASS, "127.0.0.1", str(port), *backend],
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=log,

@@ -59,6 +59,7 @@ from cdc_assets.sources.mongodb.client import CommandAudit, is_write, read_audit
 from cdc_assets.sources.mongodb.dialect import MongoDialect, MongoWindow
 from cdc_assets.sources.mongodb.watermark import MongoSettledRule, position_of
 from resources.cdc import CdcResource
+from tests.integration.mongo_support import start_mongo_test_server
 from tests.pipeline_support import KILLS, FaultPoints, Killed, Stream
 
 
@@ -613,7 +614,7 @@ def cluster_times(collection: pymongo.collection.Collection) -> list[Timestamp]:
 def first_oplog_entry(uri: str) -> Timestamp:
     """The first entry of the oplog (the tests' users may read ``local``; the source's need not)."""
     with pymongo.MongoClient(uri) as client:
-        return client.local["oplog.rs"].find_one({}, sort=[("$natural", 1)])["ts"]
+        return client.local["oplog.rs"].find_one({}, sort=[("ts", 1)])["ts"]
 
 
 def mirror_documents(spark, pipeline: CdcPipeline, name: str) -> dict[str, str]:
@@ -707,13 +708,41 @@ def test_the_oplog_window_of_the_test_server(mongo_server: str, database_name: s
     there only the window check refuses a start before it."""
     with pymongo.MongoClient(mongo_server) as client:
         client[database_name]["items"].insert_one({"_id": 1})
-        first = position_of(client.local["oplog.rs"].find_one({}, sort=[("$natural", 1)])["ts"])
+        first = position_of(client.local["oplog.rs"].find_one({}, sort=[("ts", 1)])["ts"])
         table = CapturedCollection(database_name, "items")
-        window = history.read_window(client, table, first + 5)
+        window = history.read_window(client, table, first + 5, natural_order=False)
         assert (window.first, window.earliest, window.current, window.how) == (first, first - 1, first + 5,
                                                                                "local.oplog.rs")  # fmt: skip
         assert window.reaches(first - 1) and not window.reaches(first - 2)
         assert history.probe_start(client, table, (1 << 32) | 1) and history.probe_start(client, table, first + 5)
+
+
+def test_a_stream_on_the_demos_file_backed_test_server_finds_its_oldest_oplog_entry(spark, tmp_path: Path) -> None:
+    """The demo's test server keeps its data in an H2 file, whose oplog's natural order is its ``_id`` order, not the
+    order of its entries: read by ``$natural``, the oplog's "first" entry was any entry, and every stream batch whose
+    recorded position was before it stopped "history lost" (the demo's MongoDB stream runs failed 4 times in a row).
+    On a server without cluster time (the test server) the first entry is the one with the smallest ``ts``."""
+    server = start_mongo_test_server(tmp_path / "server", data_file=tmp_path / "shop.mv.db")
+    try:
+        with pymongo.MongoClient(server.uri) as client:
+            items = client["shop"]["items"]
+            for i in range(200):  # one oplog entry each, with _ids in no particular order
+                items.insert_one({"_id": i, "v": i})
+            oplog = client.local["oplog.rs"]
+            oldest = position_of(oplog.find_one({}, sort=[("ts", 1)])["ts"])
+            natural = position_of(oplog.find_one({}, sort=[("$natural", 1)])["ts"])
+            assert natural != oldest  # the backend this test is about (else it proves nothing)
+            config, source = source_config(server.uri, tmp_path / "lake", "shop", 1000)
+            pipeline = CdcPipeline(config, source, MongoDialect(source, tmp_path / "lake" / "docs" / "_cdc"))
+            table = pipeline.prepare()["shop.items"]
+            assert pipeline.dialect.oplog_window().first == oldest
+            pipeline.snapshot(spark, table, [0], "snap")
+            items.update_many({"v": {"$lt": 50}}, {"$set": {"w": "after the snapshot"}})
+            items.delete_many({"v": {"$gte": 190}})
+            Stream(pipeline, spark).catch_up()
+            assert_exact(spark, pipeline, items)
+    finally:
+        server.stop()
 
 
 def run_large_event_scenario(spark, uri: str, database: str, tmp_path: Path) -> None:

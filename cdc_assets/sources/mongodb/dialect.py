@@ -263,7 +263,7 @@ class MongoDialect:
         """``local.oplog.rs``'s first entry, or None (asked once per object when the user may not read it)."""
         if self._oplog_unreadable:
             return None
-        first = history.first_oplog_entry(self.client)
+        first = history.first_oplog_entry(self.client, natural_order=self.capabilities.cluster_time)
         self._oplog_unreadable = first is None
         return first
 
@@ -271,7 +271,10 @@ class MongoDialect:
         current = self.current_position()
         tables = self._captured()
         probe = tables[0] if tables else None
-        return self._call("reading the oplog window", lambda: history.read_window(self.client, probe, current))
+        natural = self.capabilities.cluster_time
+        return self._call(
+            "reading the oplog window", lambda: history.read_window(self.client, probe, current, natural_order=natural)
+        )
 
     def _refusal(self, field: str, text: str, position: int) -> str | None:
         """Why a stream cannot start after ``position`` (a requested offset or start), or None. A start the server

@@ -7,8 +7,9 @@ Contract:
   was read, ``how`` where ``earliest`` came from (or why it is unknown). ``reaches(after)``: whether every change
   after position ``after`` is still there (None when unknown); ``describe()`` and ``allowed()`` are the texts of
   messages (``SEC:ORD`` cluster times).
-- ``read_window(client, probe, current)``, read-only: the first entry of ``local.oplog.rs`` (one ``find`` of one
-  document, read concern ``local``) when the user may read it (``earliest`` is that entry's position - 1: a stream
+- ``read_window(client, probe, current, natural_order)``, read-only: the first entry of ``local.oplog.rs`` (one
+  ``find`` of one document, read concern ``local``; by natural order on a replica set, by ``ts`` on the test server:
+  ``first_oplog_entry``) when the user may read it (``earliest`` is that entry's position - 1: a stream
   after it misses nothing); otherwise (no role on ``local``, ``mongos``, no oplog) ``earliest`` is found by probing
   change streams on a captured collection (``probe_start``: the server refuses a start whose history is gone with
   error 286 or 280), second by second (``earliest_second``, a binary search: about 32 probes), so a start in the
@@ -112,11 +113,18 @@ def earliest_second(reaches_second: Callable[[int], bool], low: int, high: int) 
     return low
 
 
-def first_oplog_entry(client: pymongo.MongoClient) -> int | None:
-    """The position of ``local.oplog.rs``'s first entry, or None where it cannot be read."""
+def first_oplog_entry(client: pymongo.MongoClient, natural_order: bool = True) -> int | None:
+    """The position of ``local.oplog.rs``'s first entry, or None where it cannot be read.
+
+    ``natural_order`` (a replica set member: ``Capabilities.cluster_time``): the oplog is a capped collection whose
+    natural order is the order its entries were written in, so the first record is the first entry (one record
+    read). Else (the test server) the entry with the smallest ``ts``: its oplog is an ordinary collection whose
+    natural order is not its insertion order (the H2 backend's is the ``_id`` order: the demo's "first" entry by
+    ``$natural`` was 3 minutes after its oldest one, and every MongoDB stream run failed "history lost"); it is
+    never truncated, and sorting it is the test server's own small cost."""
     try:
         oplog = client.local.get_collection("oplog.rs", read_concern=ReadConcern("local"))
-        entry = oplog.find_one({}, {"ts": 1}, sort=[("$natural", 1)])
+        entry = oplog.find_one({}, {"ts": 1}, sort=[("$natural" if natural_order else "ts", 1)])
     except PyMongoError:  # no role on local (Unauthorized), mongos, no oplog
         return None
     if not entry or "ts" not in entry:
@@ -146,9 +154,11 @@ def probe_start(client: pymongo.MongoClient, table: CapturedCollection, start: i
     return True
 
 
-def read_window(client: pymongo.MongoClient, probe: CapturedCollection | None, current: int) -> OplogWindow:
-    """The oplog window (see the module docstring)."""
-    first = first_oplog_entry(client)
+def read_window(
+    client: pymongo.MongoClient, probe: CapturedCollection | None, current: int, natural_order: bool = True
+) -> OplogWindow:
+    """The oplog window (see the module docstring; ``natural_order`` as for ``first_oplog_entry``)."""
+    first = first_oplog_entry(client, natural_order)
     if first is not None:
         return OplogWindow(first - 1, current, "local.oplog.rs", first)
     if probe is None:
