@@ -17,7 +17,9 @@ added were two tests with a backfill each (200 and 350 s); one backfill now show
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -26,10 +28,11 @@ from collections.abc import Callable
 
 import pytest
 from dagster import AssetKey, DagsterEventType, DagsterRunStatus, RunsFilter
+from delta.tables import DeltaTable
 from playwright.sync_api import Locator, Page, expect
 from pyspark.sql import SparkSession
 
-from cdc_assets.assets import change_offset_job_name, stream_asset_key
+from cdc_assets.assets import change_offset_job_name, stream_asset_key, stream_job_name
 from cdc_assets.cli import REASON_TAG, REQUESTED_BY_TAG
 from cdc_assets.config import load_config
 from cdc_assets.engine.chunks import chunk_index, chunk_partition_key
@@ -37,7 +40,7 @@ from cdc_assets.engine.windows import RECONCILED, STAGED
 from cdc_assets.lake.layout import SourceLake
 from cdc_assets.lake.windows import read_events
 from cdc_assets.sources.postgres.pipeline import PostgresPipeline
-from tests.browser.ui_support import ROOT, SOURCE, DagsterUi, screenshot
+from tests.browser.ui_support import ROOT, SOURCE, UI_TIMEOUT_MS, DagsterUi, screenshot
 from tests.integration.support import mirror_rows, source_rows
 
 pytestmark = pytest.mark.timeout(1200)
@@ -380,3 +383,67 @@ def test_the_stream_asset_plots_its_lag_and_its_lag_check_says_within_bounds(dag
         instance.dispose()
     lags = [r.asset_observation.metadata for r in observations if r.asset_observation is not None]
     assert len(lags) >= 3 and all({"lag_bytes", "lag_seconds"} <= set(m) for m in lags), lags[:3]
+
+
+def run_pid(instance, run_id: str) -> int | None:
+    """The pid of a run's process, from the engine event Dagster writes when it starts it."""
+    for entry in instance.all_logs(run_id, of_type=DagsterEventType.ENGINE_EVENT):
+        found = re.search(r"Started process for run \(pid: (\d+)\)", entry.message or "")
+        if found:
+            return int(found.group(1))
+    return None
+
+
+def wait_for(what: str, probe: Callable[[], object], timeout_seconds: float) -> object:
+    deadline = time.monotonic() + timeout_seconds
+    while not (found := probe()):
+        assert time.monotonic() < deadline, f"{what}: not within {timeout_seconds} s"
+        time.sleep(2)
+    return found
+
+
+def test_a_stream_run_killed_by_sigkill_fails_and_the_next_one_gets_its_pool_slot(
+    dagster_ui: DagsterUi, page: Page, spark: SparkSession
+) -> None:
+    """A stream run's process killed (the OS's OOM killer, an operator): run monitoring marks the run failed, and
+    what its step held in the source's lake-write pool is freed a minute later (``free_slots_after_run_end_seconds``
+    in ``dagster_home/dagster.yaml``), so the next stream run the sensor requests starts and a change written after
+    the kill reaches the mirror. Without that setting the next run stayed queued for good (a demo's stream stood
+    still until its slot was freed by hand)."""
+    job = stream_job_name(SOURCE)
+    with dagster_ui.admin() as admin:  # work for the stream, so that its sensor requests a run if none is in flight
+        admin.execute("update orders set status = 'before the kill' where id = (select max(id) from orders)")
+    with dagster_ui.instance() as instance:
+        in_flight = RunsFilter(job_name=job, statuses=[DagsterRunStatus.STARTED])
+        record = wait_for("a stream run in flight", lambda: instance.get_run_records(in_flight, limit=1), 300)[0]
+        killed = record.dagster_run
+        pid = wait_for("its pid", lambda: run_pid(instance, killed.run_id), 60)
+        os.kill(pid, signal.SIGKILL)
+        with dagster_ui.admin() as admin:
+            key = admin.execute("update orders set status = 'after the kill' where id = (select min(id) from orders)"
+                                " returning id").fetchone()[0]  # fmt: skip
+        wait_for("the killed run marked failed",
+                 lambda: instance.get_run_by_id(killed.run_id).status == DagsterRunStatus.FAILURE, 180)  # fmt: skip
+        after = RunsFilter(job_name=job, statuses=[DagsterRunStatus.STARTED], created_after=record.create_timestamp)
+        successor = wait_for(
+            "the next stream run started",
+            lambda: [r for r in instance.get_runs(after, limit=5) if r.run_id != killed.run_id],
+            300,
+        )
+        pool = instance.event_log_storage.get_concurrency_info(f"cdc_lake_writes_{SOURCE}")
+        assert killed.run_id not in {slot.run_id for slot in pool.claimed_slots}, pool
+    page.goto(f"{dagster_ui.url}/runs/{killed.run_id}")
+    expect(page.get_by_text(re.compile(r"terminated by signal 9 \(SIGKILL\)")).first).to_be_visible(
+        timeout=UI_TIMEOUT_MS
+    )
+    screenshot(page, "5-stream-run-killed")
+    lake = SourceLake(dagster_ui.lake, SOURCE)
+
+    def mirrored() -> bool:
+        mirror = lake.table("public.orders").mirror
+        if not DeltaTable.isDeltaTable(spark, mirror):  # the stream's first batch of it creates it (latest mode)
+            return False
+        rows = spark.read.format("delta").load(mirror).where(f"id = {key}")
+        return [r["status"] for r in rows.collect()] == ["after the kill"]
+
+    wait_for(f"the change after the kill in the mirror (run {successor[0].run_id})", mirrored, 300)
