@@ -91,6 +91,7 @@ from cdc_assets.lake.delta_tables import clear_interrupted_create, table_or_none
 from cdc_assets.lake.retry import commit_with_retry
 from cdc_assets.lake.schema import UNREPRESENTABLE_COLUMN
 from cdc_assets.lake.settled import SettledRule
+from cdc_assets.lake.statistics import STATS_COLUMNS, ensure_statistics_columns, property_value, statistics_columns
 
 META_FIELDS = [
     T.StructField("_cdc_op", T.StringType()),
@@ -105,14 +106,20 @@ def q(name: str) -> str:
 
 
 def ensure_mirror(
-    spark: SparkSession, path: str, fields: Sequence[T.StructField], also: Sequence[T.StructField] = ()
+    spark: SparkSession,
+    path: str,
+    fields: Sequence[T.StructField],
+    also: Sequence[T.StructField] = (),
+    key_columns: Sequence[str] = (),
 ) -> DeltaTable:
     """Create the mirror when missing (CDF and deletion vectors on); add source columns it lacks (an added column
     evolves the schema): those of ``fields`` (``cdc_assets.lake.schema``) and the source fields ``also`` (columns of
     rows about to be written that the caller's description of the table lacks: a snapshot read after the column was
     added). Deletion vectors: a batch's MERGE then marks replaced rows instead of rewriting every file it touches,
     and random changes touch every file of a big mirror (bench.stream, 1M rows, 83k changes per batch: MERGE 41.8 s
-    over 3 batches with them, 57.7 s without; only tiny mirrors are faster without)."""
+    over 3 batches with them, 57.7 s without; only tiny mirrors are faster without). File statistics only on the
+    ``key_columns`` and the fixed-size columns (``cdc_assets.lake.statistics``: a big text value made writes crawl),
+    also on a mirror made before that rule or grown since."""
     source_fields = list(fields)
     described = {f.name for f in source_fields}
     schema = T.StructType([*source_fields, *[f for f in also if f.name not in described], *META_FIELDS])
@@ -124,6 +131,7 @@ def ensure_mirror(
             .addColumns(schema)
             .property("delta.enableChangeDataFeed", "true")
             .property("delta.enableDeletionVectors", "true")
+            .property(STATS_COLUMNS, property_value(statistics_columns(schema, key_columns)))
         )
         for name, value in column_mapping_properties(schema).items():  # column names Delta refuses by default
             builder = builder.property(name, value)
@@ -141,6 +149,10 @@ def ensure_mirror(
         added = ", ".join(f"{q(f.name)} {f.dataType.simpleString()}" for f in missing)
         commit_with_retry(lambda: spark.sql(f"ALTER TABLE delta.{q(path)} ADD COLUMNS ({added})"), f"evolve {path}")
         table = DeltaTable.forPath(spark, path)
+    if key_columns:  # the callers that know the key (a batch, a reconciliation): the statistics columns follow
+        current = T.StructType(table.toDF().schema.fields)
+        if ensure_statistics_columns(spark, path, statistics_columns(current, key_columns)):
+            table = DeltaTable.forPath(spark, path)
     return table
 
 
@@ -191,6 +203,18 @@ def last_applied_position(spark: SparkSession, path: str) -> int | None:
         return None
 
 
+def nullable(data_type: T.DataType) -> T.DataType:
+    """``data_type`` with every field nullable (what a table made by an append has: its later rows may hold nulls
+    where the first batch's had none)."""
+    if isinstance(data_type, T.StructType):
+        return T.StructType([T.StructField(f.name, nullable(f.dataType), True, f.metadata) for f in data_type.fields])
+    if isinstance(data_type, T.ArrayType):
+        return T.ArrayType(nullable(data_type.elementType), True)
+    if isinstance(data_type, T.MapType):
+        return T.MapType(nullable(data_type.keyType), nullable(data_type.valueType), True)
+    return data_type
+
+
 def append_changelog(spark: SparkSession, path: str, changes: DataFrame, batch_position: int | None = None) -> None:
     """Append ``changes`` not yet in the changelog: those after the position of the changelog's last commit. A
     batch whose position ``batch_position`` is at or below that one (a batch re-read smaller after a failure) skips
@@ -202,13 +226,19 @@ def append_changelog(spark: SparkSession, path: str, changes: DataFrame, batch_p
         return
     if already is not None:
         changes = changes.where(F.col("_cdc_position") > already)
-    if refused_names(changes.schema):  # column names Delta refuses by default: column mapping, created first
-        if table_or_none(spark, path) is None:
-            clear_interrupted_create(path)
-            create = DeltaTable.createIfNotExists(spark).location(path).addColumns(changes.schema)
-            commit_with_retry(lambda: create.property(MAPPING_MODE, "name").execute(), f"create changelog {path}")
-        else:
+    refused = refused_names(changes.schema)  # column names Delta refuses by default: column mapping
+    statistics = statistics_columns(changes.schema)  # the changes' positions and times, not their images
+    if table_or_none(spark, path) is None:  # created before the first append: its statistics columns first
+        clear_interrupted_create(path)
+        create = DeltaTable.createIfNotExists(spark).location(path).addColumns(nullable(changes.schema))
+        create = create.property(STATS_COLUMNS, property_value(statistics))
+        if refused:
+            create = create.property(MAPPING_MODE, "name")
+        commit_with_retry(create.execute, f"create changelog {path}")
+    else:
+        if refused:
             enable_column_mapping(spark, path, changes.schema)
+        ensure_statistics_columns(spark, path, statistics)
     writer = changes.write.format("delta").mode("append").option("mergeSchema", "true")
     commit_with_retry(lambda: writer.save(path), f"changelog {path}")
 
@@ -237,7 +267,7 @@ def apply_changes(
     """Apply one batch of one table's changes (changelog rows) to the mirror; the keys of mirror rows that hold
     unknown values afterwards. ``truncate`` is the batch's last ``TRUNCATE`` of the table as (``_cdc_position``,
     ``_cdc_seq``), known to the driver from the batch."""
-    mirror = ensure_mirror(spark, path, fields)
+    mirror = ensure_mirror(spark, path, fields, key_columns=key_columns)
     mirror_types = {f.name: f.dataType for f in mirror_source_fields(mirror)}
     mirror_columns = list(mirror_types)
     after_fields = {f.name: f.dataType for f in changes.schema["after"].dataType.fields}
@@ -606,7 +636,7 @@ def _reconcile_windows(
     staged_frame = staging.read_staged(spark, staging_path, (w.attempt for w in windows), fields)
     # a column the read had but the caller's description lacks (added since the stream run described the table)
     staged_source_fields = [f for f in staged_frame.schema.fields if f.name not in STAGING_ONLY_COLUMNS]
-    mirror = ensure_mirror(spark, mirror_path, fields, also=staged_source_fields)
+    mirror = ensure_mirror(spark, mirror_path, fields, also=staged_source_fields, key_columns=key_columns)
     all_types = {f.name: f.dataType for f in mirror_source_fields(mirror)}
     names = list(all_types)
     key_types = {k: all_types[k] for k in key_columns}
