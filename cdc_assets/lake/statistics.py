@@ -8,10 +8,10 @@ ran for over 15 minutes without finishing (the statistics kept after the write a
 
 Contract:
 - ``statistics_columns(schema, always)``: ``always`` (a table's key columns) when their type has statistics, then
-  every other top-level column of a fixed-size type (numbers, booleans, dates, timestamps). Text, binary, arrays,
-  maps and structs of a source's values get none: their size has no bound. The key columns keep theirs (a MERGE
-  and a chunk's reconciliation prune the files by the key's range), so a text key of a huge value would still pay
-  that copy; keys are short in practice (a B-tree entry of PostgreSQL holds at most about 2.7 kB).
+  every other top-level column of a fixed-size type Delta keeps statistics of (numbers, dates, timestamps). Text,
+  binary, arrays, maps and structs of a source's values get none: their size has no bound. The key columns keep
+  theirs (a MERGE and a chunk's reconciliation prune the files by the key's range), so a text key of a huge value
+  would still pay that copy; keys are short in practice (a B-tree entry of PostgreSQL holds at most about 2.7 kB).
 - ``ensure_statistics_columns(spark, path, columns)`` sets ``delta.dataSkippingStatsColumns`` to ``columns`` when
   the table's property differs (one metadata commit; none when it is already so; asked of the table once per
   process and value): tables made before this rule
@@ -29,9 +29,10 @@ from pyspark.sql import types as T
 from cdc_assets.lake.retry import commit_with_retry
 
 STATS_COLUMNS = "delta.dataSkippingStatsColumns"
+# Delta refuses statistics columns of other fixed-size types (DELTA_COLUMN_DATA_SKIPPING_NOT_SUPPORTED_TYPE: booleans)
 FIXED_SIZE_TYPES = (
-    T.ByteType, T.ShortType, T.IntegerType, T.LongType, T.FloatType, T.DoubleType, T.DecimalType, T.BooleanType,
-    T.DateType, T.TimestampType, T.TimestampNTZType,
+    T.ByteType, T.ShortType, T.IntegerType, T.LongType, T.FloatType, T.DoubleType, T.DecimalType, T.DateType,
+    T.TimestampType, T.TimestampNTZType,
 )  # fmt: skip
 # types Delta keeps statistics of (a string key's are 32-character prefixes)
 WITH_STATISTICS = (*FIXED_SIZE_TYPES, T.StringType)
