@@ -142,16 +142,17 @@ def ensure_mirror(
         clear_interrupted_create(path)  # a create killed half-way must not fail every later one
         commit_with_retry(create, f"create mirror {path}")
         table = DeltaTable.forPath(spark, path)
-    existing = {f.name for f in table.toDF().schema.fields}
+    columns = list(table.toDF().schema.fields)
+    existing = {f.name for f in columns}
     missing = [f for f in schema.fields if f.name not in existing]
     if missing:
         enable_column_mapping(spark, path, T.StructType(missing))
         added = ", ".join(f"{q(f.name)} {f.dataType.simpleString()}" for f in missing)
         commit_with_retry(lambda: spark.sql(f"ALTER TABLE delta.{q(path)} ADD COLUMNS ({added})"), f"evolve {path}")
         table = DeltaTable.forPath(spark, path)
+        columns += missing  # ADD COLUMNS appends them
     if key_columns:  # the callers that know the key (a batch, a reconciliation): the statistics columns follow
-        current = T.StructType(table.toDF().schema.fields)
-        if ensure_statistics_columns(spark, path, statistics_columns(current, key_columns)):
+        if ensure_statistics_columns(spark, path, statistics_columns(T.StructType(columns), key_columns)):
             table = DeltaTable.forPath(spark, path)
     return table
 

@@ -14,9 +14,9 @@ Contract:
   would still pay that copy; keys are short in practice (a B-tree entry of PostgreSQL holds at most about 2.7 kB).
 - ``ensure_statistics_columns(spark, path, columns)`` sets ``delta.dataSkippingStatsColumns`` to ``columns`` when
   the table's property differs (one metadata commit; none when it is already so; asked of the table once per
-  process and value): tables made before this rule
-  (every column then) and tables whose columns were added since get it on their next write. Files written earlier
-  keep their statistics; a compaction rewrites them with the new set.
+  process and value): tables made before this rule (every column then) and tables whose columns were added since
+  get it on their next write. Files written earlier keep their statistics; a compaction rewrites them with the new
+  set.
 """
 
 from __future__ import annotations
