@@ -413,10 +413,13 @@ def batch_log_line(report: StreamReport) -> str:
         line += "; HISTORY LOST: the stream restarted here and every chunk is read again"
     bounds = report.bounds
     if bounds.get("shrunk"):
+        if bounds["failures"]:
+            why = f"after {bounds['failures']} failed batch(es): {bounds.get('reason', '')}"
+        else:  # the failures are behind it: the bounds grow back by doubling
+            why = f"growing back after earlier failed batches (the last: {bounds.get('reason', '')})"
         line += (
             f"; a SMALLER batch than configured (at most {bounds['max_changes']} changes, {bounds['max_bytes']} bytes)"
-            f" after {bounds['failures']} failed batch(es): {bounds.get('reason', '')}; next batch at most "
-            f"{bounds['next_max_changes']} changes, {bounds['next_max_bytes']} bytes"
+            f" {why}; next batch at most {bounds['next_max_changes']} changes, {bounds['next_max_bytes']} bytes"
         )
     return line
 

@@ -1,0 +1,34 @@
+"""The Dagster glue's pure helpers (``cdc_assets/assets.py``), without Dagster runs, Spark or a database."""
+
+from __future__ import annotations
+
+from cdc_assets.assets import batch_log_line
+from cdc_assets.source import StreamReport
+
+
+def report_with_bounds(failures: int) -> StreamReport:
+    return StreamReport(
+        offset={}, changes=3, transactions=1, seconds=1.0, lag_bytes=0, lag_seconds=0.0,
+        bounds={"max_changes": 8, "max_bytes": 1024, "shrunk": True, "failures": failures,
+                "reason": "OutOfMemoryError: Java heap space", "next_max_changes": 16, "next_max_bytes": 2048},
+    )  # fmt: skip
+
+
+def test_a_shrunk_batch_after_failures_names_how_many_and_why() -> None:
+    line = batch_log_line(report_with_bounds(failures=2))
+    assert "a SMALLER batch than configured (at most 8 changes, 1024 bytes) after 2 failed batch(es): " in line
+    assert "OutOfMemoryError: Java heap space; next batch at most 16 changes, 2048 bytes" in line
+
+
+def test_a_shrunk_batch_growing_back_does_not_claim_zero_failures() -> None:
+    """After a success the failures are counted from 0 while the bounds grow back by doubling: the line said "after
+    0 failed batch(es): <the old error>", as if that error had just happened."""
+    line = batch_log_line(report_with_bounds(failures=0))
+    assert "failed batch(es)" not in line
+    assert "growing back after earlier failed batches (the last: OutOfMemoryError: Java heap space)" in line
+
+
+def test_a_batch_at_the_configured_bounds_says_nothing_of_them() -> None:
+    report = report_with_bounds(failures=0)
+    report.bounds["shrunk"] = False
+    assert "SMALLER" not in batch_log_line(report)
