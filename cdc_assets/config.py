@@ -26,6 +26,9 @@ column of the collection's lake tables (``cdc_assets/sources/mongodb/typed_field
 the collection: an unknown type, ``_id``, a name with ``.`` or starting with ``$`` or ``_cdc``, a fixed column's name,
 names equal but for case; ``fields`` under a PostgreSQL source.
 
+``lake_root`` is a local path (relative to the configuration file's folder; a ``Path``) or a URI of a scheme in
+``LAKE_SCHEMES`` (kept as text: ``s3a://bucket/prefix``); another scheme is refused naming the allowed ones.
+
 See ``cdc.yaml`` at the repository root for a documented example.
 """
 
@@ -247,7 +250,7 @@ class SparkConfig:
 
 @dataclass(frozen=True)
 class CdcConfig:
-    lake_root: Path
+    lake_root: Path | str  # a local folder, or an object store's URI (``LAKE_SCHEMES``)
     spark: SparkConfig
     sources: tuple[SourceConfig, ...]
 
@@ -272,9 +275,7 @@ def load_config(path: str | os.PathLike[str], environ: dict[str, str] | None = N
 
 def parse_config(raw: Any, base_dir: Path, environ: dict[str, str] | os._Environ[str]) -> CdcConfig:
     top = _mapping(raw, "", {"lake_root", "spark", "sources"}, required={"lake_root", "sources"})
-    lake_root = Path(_string(_resolve(top["lake_root"], "lake_root", environ), "lake_root"))
-    if not lake_root.is_absolute():
-        lake_root = (base_dir / lake_root).resolve()
+    lake_root = _lake_root(_string(_resolve(top["lake_root"], "lake_root", environ), "lake_root"), base_dir)
     spark = _spark(top.get("spark") or {}, environ)
     sources_raw = top["sources"]
     if not isinstance(sources_raw, list) or not sources_raw:
@@ -284,6 +285,27 @@ def parse_config(raw: Any, base_dir: Path, environ: dict[str, str] | os._Environ
     if len(set(names)) != len(names):
         raise ConfigError(f"sources: names must be unique, got {names}")
     return CdcConfig(lake_root=lake_root, spark=spark, sources=sources)
+
+
+LAKE_SCHEMES = ("s3a", "file")
+
+
+def _lake_root(text: str, base_dir: Path) -> Path | str:
+    scheme, separator, rest = text.partition("://")
+    if not separator:
+        root = Path(text)
+        return root if root.is_absolute() else (base_dir / root).resolve()
+    if scheme == "file":
+        return Path(rest)
+    if scheme not in LAKE_SCHEMES:
+        raise ConfigError(
+            f"lake_root: scheme {scheme!r} is not supported; allowed: a local path, or a URI of "
+            f"{', '.join(LAKE_SCHEMES)}"
+        )
+    bucket = rest.partition("/")[0]
+    if not bucket:
+        raise ConfigError(f"lake_root: {text!r} names no bucket; expected {scheme}://<bucket>/<prefix>")
+    return text.rstrip("/")
 
 
 def _spark(raw: Any, environ: Any) -> SparkConfig:

@@ -52,11 +52,11 @@ from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from datetime import datetime
-from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 from cdc_assets.engine.chunks import Chunk, ChunkPlan
 from cdc_assets.engine.row_filter import RowFilter
+from cdc_assets.lake.files import LakePath
 from cdc_assets.lake.settled import SettledRule
 from cdc_assets.source import SkippedTableLike, SourceLag, TableT
 
@@ -170,7 +170,12 @@ class SourceDialect(Protocol[TableT]):
     def window(self) -> AbstractContextManager[WindowSession[TableT]]: ...
 
     def read_batch(
-        self, recorded: Offset | None, tables: Mapping[str, TableT], spill_dir: Path, max_changes: int, max_bytes: int
+        self,
+        recorded: Offset | None,
+        tables: Mapping[str, TableT],
+        spill_dir: LakePath,
+        max_changes: int,
+        max_bytes: int,
     ) -> ChangeBatch: ...
 
     def position(self, offset: Offset) -> int: ...

@@ -58,15 +58,12 @@ differs (``cdc_assets.dialect.SourceDialect``); everything below is the same for
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import time
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from functools import cached_property
-from pathlib import Path
 from typing import Generic
 
 from pyspark import StorageLevel
@@ -94,6 +91,7 @@ from cdc_assets.engine.windows import (
 )
 from cdc_assets.lake import staging
 from cdc_assets.lake import windows as window_log
+from cdc_assets.lake.files import LakePath
 from cdc_assets.lake.layout import SourceLake
 from cdc_assets.lake.mirror import StagedRowsMismatch, append_changelog, apply_changes, reconcile
 from cdc_assets.lake.spark import DRIVER_MEMORY, big_batch_conf, default_driver_memory, session_conf
@@ -342,6 +340,7 @@ class CdcPipeline(Generic[TableT]):
         """One batch (see module docstring)."""
         started = time.monotonic()
         batch_id = f"{run_id}-{uuid.uuid4().hex[:8]}"
+        self.lake.drop_spills()  # a killed batch's (SIGKILL, the OOM killer): the pool runs one batch at a time
         spill_dir = self.lake.spill_dir(batch_id)
         configured = self.configured_bounds()
         bounds = self.batch_bounds()
@@ -387,7 +386,7 @@ class CdcPipeline(Generic[TableT]):
         return BatchBounds(self.source.stream.max_changes, self.source.stream.max_batch_bytes)
 
     @property
-    def bounds_path(self) -> Path:
+    def bounds_path(self) -> LakePath:
         return self.lake.control / BOUNDS_FILE
 
     def batch_bounds(self) -> BatchBounds:
@@ -400,14 +399,10 @@ class CdcPipeline(Generic[TableT]):
         return BatchBounds.from_json(data if isinstance(data, dict) else {}, configured)
 
     def store_bounds(self, bounds: BatchBounds) -> None:
-        path = self.bounds_path
-        path.parent.mkdir(parents=True, exist_ok=True)
-        temporary = path.with_name(f".{path.name}.{uuid.uuid4().hex}")
-        temporary.write_text(json.dumps(bounds.to_json()))
-        os.replace(temporary, path)
+        self.bounds_path.write_text(json.dumps(bounds.to_json()))
 
     def _stream_batch(
-        self, spark: SparkSession, recorded: Offset | None, batch_id: str, spill_dir: Path, bounds: BatchBounds,
+        self, spark: SparkSession, recorded: Offset | None, batch_id: str, spill_dir: LakePath, bounds: BatchBounds,
         progress: BatchProgress, started: float,
     ) -> StreamReport:  # fmt: skip
         settings = self.source.stream
@@ -469,7 +464,7 @@ class CdcPipeline(Generic[TableT]):
             fault_point("stream.after_lake_commit")
         finally:
             _quietly(lambda: spark.conf.unset(USER_METADATA))
-            shutil.rmtree(spill_dir, ignore_errors=True)
+            _quietly(spill_dir.rmtree)
         lag_seconds = None
         if batch.last_commit_ts is not None:
             lag_seconds = max(0.0, (datetime.now(UTC) - batch.last_commit_ts).total_seconds())
@@ -492,7 +487,7 @@ class CdcPipeline(Generic[TableT]):
         )
 
     def _read_batch(
-        self, recorded: Offset | None, spill_dir: Path, bounds: BatchBounds
+        self, recorded: Offset | None, spill_dir: LakePath, bounds: BatchBounds
     ) -> tuple[ChangeBatch, list[str]]:
         """The dialect's batch, read with the tables resolved again as often as it meets a table the source captures
         now that the run did not (``CapturedTablesChanged``: nothing of the attempt is kept); the names of those."""
@@ -507,7 +502,7 @@ class CdcPipeline(Generic[TableT]):
                     return self.dialect.read_batch(*arguments), newly_captured
                 return self.dialect.read_batch(*arguments, until=until), newly_captured  # type: ignore[call-arg]
             except CapturedTablesChanged as changed:
-                shutil.rmtree(spill_dir, ignore_errors=True)
+                _quietly(spill_dir.rmtree)
                 before = set(self.tables)
                 self.prepare()
                 newly_captured += sorted(set(self.tables) - before)
@@ -570,6 +565,7 @@ class CdcPipeline(Generic[TableT]):
     ) -> tuple[list[dict[str, object]], int, set[str], list[dict[str, object]]]:
         """Reconcile the windows the stream has passed: the chunks reconciled, the windows still open, the tables
         whose fill window was reconciled, and the rows windows reconciled (ad-hoc snapshots of chosen rows)."""
+        window_log.fold_staged(spark, self.lake.windows)  # the snapshot runs' staged events into the table
         log_read_at = time.time()
         events = window_log.read_events(spark, self.lake.windows)
         pending = open_windows(events)

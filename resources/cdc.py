@@ -27,4 +27,4 @@ class CdcResource(ConfigurableResource):
         return open_source(self.config, self.config.source(source_name))
 
     def spark(self) -> SparkSession:
-        return spark_session(self.config.spark)
+        return spark_session(self.config.spark, self.config.lake_root)

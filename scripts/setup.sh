@@ -5,6 +5,8 @@
 #   the project and its dev extras from PyPI, the Delta JVM jars via Maven into the git-ignored .jars/, and the
 #   MongoDB test server (jvm/mongo-test-server, built with Maven) with its dependencies into .jars/mongo-test-server/
 #   (a folder of its own: Spark loads every jar directly in .jars/, and the test server's netty 4.2 must not be there).
+# EXTRAS (comma-separated) adds optional-dependency groups of pyproject.toml and their JVM jars: bench (.jars/bench/),
+# s3 (moto for the tests; hadoop-aws and the ~558 MB AWS SDK bundle into .jars/s3/, for an s3a:// lake root).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -48,5 +50,13 @@ if [[ ",${EXTRAS:-}," == *",bench,"* ]] \
   rm -rf .jars/bench
   (cd jvm/bench && mvn -q -B dependency:copy-dependencies -DoutputDirectory=../../.jars/bench -DincludeScope=runtime)
   touch .jars/bench/.complete
+fi
+# the s3a file system's jars (hadoop-aws, the AWS SDK bundle: ~558 MB) for an s3a:// lake root, only with the s3
+# extra (scripts/test.sh asks for it); spark_session adds them to Spark's classpath only for such a lake root
+if [[ ",${EXTRAS:-}," == *",s3,"* ]] \
+  && { [ ! -f .jars/s3/.complete ] || [ jvm/s3/pom.xml -nt .jars/s3/.complete ]; }; then
+  rm -rf .jars/s3
+  (cd jvm/s3 && mvn -q -B dependency:copy-dependencies -DoutputDirectory=../../.jars/s3 -DincludeScope=runtime)
+  touch .jars/s3/.complete
 fi
 echo "setup complete: .venv and .jars ready"

@@ -12,6 +12,7 @@ import pymongo
 import pytest
 
 from tests.integration.mongo_support import REAL_MONGODB_URI_ENV, real_mongodb_uri, start_mongo_test_server
+from tests.integration.s3_support import s3_server
 from tests.integration.support import ABSENT_STANDBY, PG_PORT, PG_SOCKET
 from tests.pipeline_support import FaultPoints, arm_faults
 from tests.tools.torture_support import (
@@ -168,11 +169,34 @@ def reset_absent_standby(admin_dsn: str) -> None:
 
 
 @pytest.fixture(scope="session")
-def spark():
-    """One local Spark session with Delta for the whole test session."""
+def s3_lake() -> Iterator[str]:
+    """An ``s3a://<bucket>/<unique prefix>`` lake root on an S3-compatible server (moto's, ``moto[server]`` from the
+    ``s3`` extra) on a free loopback port, for the whole test session (``tests/integration/s3_support.py``): while it
+    runs, ``AWS_ENDPOINT_URL``, dummy credentials and ``AWS_REGION`` are set in ``os.environ`` (restored after).
+    One root for the session's tests: each works in a folder of its own under it.
+    A JVM copies the environment when it starts and never sees later changes: a Spark session that reaches this store
+    through s3a (credentials from the provider chain's environment variables) must be started after this fixture; the
+    ``spark`` fixture is, when a selected test uses this one. Never skips: a missing ``moto`` is a failure."""
+    bucket = "cdc-lake-test"
+    with s3_server(bucket):
+        yield f"s3a://{bucket}/lake-{uuid.uuid4().hex[:10]}"
+
+
+def uses_s3_lake(session: pytest.Session) -> bool:
+    """Whether a selected test uses the ``s3_lake`` fixture."""
+    return any("s3_lake" in getattr(item, "fixturenames", ()) for item in session.items)
+
+
+@pytest.fixture(scope="session")
+def spark(request: pytest.FixtureRequest):
+    """One local Spark session with Delta for the whole test session. When a selected test uses ``s3_lake``, the
+    session is started inside it, for that lake root: with the s3a jars (``.jars/s3/``: they cannot be added to a
+    running JVM, and the ~558 MB AWS SDK bundle adds seconds to the start, so only then) and the S3 server's
+    environment (its credentials reach the driver JVM only at its start)."""
     from cdc_assets.config import SparkConfig
     from cdc_assets.lake.spark import spark_session
 
-    session = spark_session(SparkConfig(master="local[2]"))
+    lake_root = request.getfixturevalue("s3_lake") if uses_s3_lake(request.session) else None
+    session = spark_session(SparkConfig(master="local[2]"), lake_root)
     yield session
     session.stop()

@@ -31,7 +31,6 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
@@ -46,6 +45,7 @@ from cdc_assets.engine.row_filter import FilterTerm, RowFilter, RowFilterError, 
 from cdc_assets.engine.windows import FILL_CHUNK, ROWS_CHUNK
 from cdc_assets.lake import staging
 from cdc_assets.lake.digest import mirror_digest, mirror_part, text_digest, text_part
+from cdc_assets.lake.files import LakePath
 from cdc_assets.lake.schema import UNREPRESENTABLE_COLUMN, UNREPRESENTABLE_TYPE, spark_fields
 from cdc_assets.source import CapturedTablesChanged, SourceLag
 
@@ -340,7 +340,7 @@ class MemoryDialect:
         yield MemoryWindow(self.database)
 
     def read_batch(
-        self, recorded: Offset | None, tables: Mapping[str, MemoryTable], spill_dir: Path, max_changes: int,
+        self, recorded: Offset | None, tables: Mapping[str, MemoryTable], spill_dir: LakePath, max_changes: int,
         max_bytes: int,
     ) -> ChangeBatch:  # fmt: skip
         database = self.database
@@ -381,9 +381,9 @@ class MemoryDialect:
                 ("_cdc_unchanged", pa.list_(pa.string())), ("after", image), ("before", image),
             ])  # fmt: skip
             path = spill_dir / name / "part-00000.parquet"
-            path.parent.mkdir(parents=True, exist_ok=True)
-            pq.write_table(pa.Table.from_pylist(changes, schema=schema), path)
-            spills[name] = TableChanges(changes=len(changes), bytes=path.stat().st_size, parts=1, frame=_reader(path))
+            path.parent.mkdir()
+            pq.write_table(pa.Table.from_pylist(changes, schema=schema), path.path, filesystem=path.filesystem)
+            spills[name] = TableChanges(changes=len(changes), bytes=path.size(), parts=1, frame=_reader(path))
         return ChangeBatch(
             applied=applied,
             offset={"position": applied},
@@ -442,8 +442,8 @@ class MemoryDialect:
         return False
 
 
-def _reader(path: Path) -> Callable[[SparkSession], DataFrame]:
+def _reader(path: LakePath) -> Callable[[SparkSession], DataFrame]:
     def frame(spark: SparkSession) -> DataFrame:
-        return spark.read.parquet(str(path))
+        return spark.read.parquet(path.uri)
 
     return frame

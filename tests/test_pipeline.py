@@ -271,6 +271,17 @@ def test_a_table_created_while_a_run_is_in_flight_is_captured_by_the_batch_that_
     assert mirror_rows(spark, pipeline, tags) == database.snapshot("app.tags")
 
 
+def test_a_batch_removes_the_spill_a_killed_batch_left_behind(spark, tmp_path: Path) -> None:
+    database = seeded_database()
+    config, source = config_for(tmp_path / "lake", max_changes=1000)
+    pipeline = CdcPipeline(config, source, MemoryDialect(database, chunk_size=1000))
+    pipeline.prepare()
+    leftover = pipeline.lake.spill_dir("run-killed-0a1b2c3d") / "public.items" / "part-00000.parquet"
+    leftover.write_text("the part of a batch whose process was killed")
+    Stream(pipeline, spark).batch()
+    assert not leftover.exists() and (pipeline.lake.control / "spill").entries() == []
+
+
 def test_a_waiting_check_asks_for_batches_only_until_the_stream_passed_its_high_watermark(tmp_path: Path) -> None:
     """Pure (no Spark): the check's marker stays while it compares, after the stream passed its high watermark; the
     stream is due for the check only before that."""

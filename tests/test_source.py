@@ -35,7 +35,7 @@ def test_postgres_source_opens_as_a_cdc_source(tmp_path: Path) -> None:
     assert isinstance(source, PostgresPipeline) and isinstance(source, CdcPipeline)
     assert isinstance(source.dialect, PostgresDialect)
     assert source.source.name == "shop"
-    assert source.lake.root == tmp_path / "lake" / "shop"
+    assert source.lake.root.local_path == tmp_path / "lake" / "shop"
 
 
 def test_every_interface_operation_is_implemented_by_postgres() -> None:
@@ -68,7 +68,7 @@ def test_a_mongodb_source_opens_as_the_generic_pipeline_over_mongo_dialect(tmp_p
     source = open_source(config, config.source("docs"))  # connects to nothing until an operation runs
     assert type(source) is CdcPipeline
     assert isinstance(source.dialect, MongoDialect)
-    assert source.dialect.control == tmp_path / "lake" / "docs" / "_cdc"
+    assert source.dialect.control.local_path == tmp_path / "lake" / "docs" / "_cdc"
     assert "secret" not in source.dialect.describe()
     operations = [n for n in vars(SourceDialect) if not n.startswith("_") and callable(vars(SourceDialect)[n])]
     for name in operations:

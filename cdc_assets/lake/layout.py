@@ -9,7 +9,9 @@ Contract (``<lake_root>/<source>/``):
   chunk rows, plain Parquet files per attempt (``cdc_assets.lake.staging``). A ``/staging`` folder next to them
   is a Delta staging table of an earlier version: nothing reads it, and it can be removed.
 - ``_cdc/plans/<qualified>.json``: the table's chunk plan, written once (first writer wins) and never changed.
-- ``_cdc/windows``: the Delta log of chunk window events (see ``cdc_assets.lake.windows``).
+- ``_cdc/windows``: the Delta log of chunk window events, written by the source's lake-write pool only;
+  ``_cdc/windows-staged/<attempt>.<random>.json``: a snapshot run's staged windows, one file per run, folded into the
+  log by the stream (see ``cdc_assets.lake.windows``).
 - ``_cdc/waiting/<qualified>@<chunk>.hw``: one small file per staged, not yet reconciled chunk holding its
   high watermark, so the streaming sensor can see that a window may close without starting Spark. Markers are
   hints: the window log is the truth, and the stream batch rewrites the markers from it.
@@ -28,22 +30,24 @@ Contract (``<lake_root>/<source>/``):
 - ``_cdc/upkeep/<step>``: empty files whose modification times are the ends of the last lake upkeep steps
   (``cdc_assets.lake.maintenance``): ``compact`` (staged attempts dropped, tables compacted) and ``vacuum``. The clock
   of a step starts when it is first asked whether the step is due: a new source's first batches pay for no upkeep.
-- ``_cdc/spill/<batch>/``: a stream batch's decoded changes (Parquet), removed after the batch.
-The plan, marker, spill and staged folders use the local file system API: the lake root must be a local or mounted path.
+- ``_cdc/spill/<batch>/``: a stream batch's decoded changes (Parquet), removed after the batch; the folders a killed
+  batch left are removed when the next batch starts (``drop_spills``: the source's pool runs one batch at a time).
+Every file here goes through ``cdc_assets.lake.files.LakePath``: the lake root is a local path or an ``s3a://`` URI.
+On an object store, ``store_plan``'s "first writer wins" is a check, then a write: the planner sensor stores a table's
+plan before it asks for the table's snapshot runs, so a snapshot run finds it stored and never races the sensor.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import tempfile
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Literal
 
 from cdc_assets.engine.chunks import ChunkPlan
 from cdc_assets.engine.names import file_token, from_file_token, lake_folder, split_qualified
+from cdc_assets.lake.files import LakePath
 
 UpkeepStep = Literal["compact", "vacuum"]
 CHECK_MARKER_SECONDS = 600  # longer than any check waits for the stream
@@ -65,15 +69,15 @@ class Resnapshot:
 
 
 class SourceLake:
-    def __init__(self, lake_root: str | os.PathLike[str], source_name: str) -> None:
-        self.root = Path(lake_root) / source_name
+    def __init__(self, lake_root: str | os.PathLike[str] | LakePath, source_name: str) -> None:
+        self.root = LakePath(lake_root) / source_name
         self.control = self.root / "_cdc"
 
     @classmethod
-    def of_control(cls, control: str | os.PathLike[str]) -> SourceLake:
+    def of_control(cls, control: str | os.PathLike[str] | LakePath) -> SourceLake:
         """The lake whose control folder is ``control`` (for a source dialect handed only that folder)."""
         lake = cls.__new__(cls)
-        lake.control = Path(control)
+        lake.control = LakePath(control)
         lake.root = lake.control.parent
         return lake
 
@@ -85,8 +89,12 @@ class SourceLake:
     def windows(self) -> str:
         return str(self.control / "windows")
 
-    def spill_dir(self, batch_id: str) -> Path:
+    def spill_dir(self, batch_id: str) -> LakePath:
         return self.control / "spill" / batch_id
+
+    def drop_spills(self) -> None:
+        """Remove every batch's spill folder: called when a batch starts, so that any there is a dead batch's."""
+        (self.control / "spill").rmtree()
 
     # -- upkeep --------------------------------------------------------------------------------------------
     def upkeep_due(self, step: UpkeepStep, interval_seconds: int, now: float | None = None) -> bool:
@@ -96,61 +104,48 @@ class SourceLake:
             return False
         marker = self.control / "upkeep" / step
         try:
-            last = marker.stat().st_mtime
+            last = marker.mtime()
         except FileNotFoundError:
             self.mark_upkeep_done(step)
             return False
         return (time.time() if now is None else now) - last >= interval_seconds
 
     def mark_upkeep_done(self, step: UpkeepStep) -> None:
-        marker = self.control / "upkeep" / step
-        marker.parent.mkdir(parents=True, exist_ok=True)
-        marker.touch()
+        (self.control / "upkeep" / step).touch()
 
     # -- chunk plans ---------------------------------------------------------------------------------------
-    def plan_path(self, qualified_name: str) -> Path:
+    def plan_path(self, qualified_name: str) -> LakePath:
         return self.control / "plans" / f"{file_token(qualified_name)}.json"
 
     def read_plan(self, qualified_name: str) -> ChunkPlan | None:
-        path = self.plan_path(qualified_name)
-        return ChunkPlan.from_json(path.read_text()) if path.exists() else None
+        try:
+            return ChunkPlan.from_json(self.plan_path(qualified_name).read_text())
+        except FileNotFoundError:
+            return None
 
     def store_plan(self, plan: ChunkPlan) -> ChunkPlan:
         """Store ``plan`` unless one is stored already; returns the stored plan (immutable once written)."""
-        path = self.plan_path(plan.table)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as handle:
-            handle.write(plan.to_json())
-            temporary = Path(handle.name)
-        try:
-            os.link(temporary, path)  # atomic, fails when another writer stored a plan first
-        except FileExistsError:
-            pass
-        finally:
-            temporary.unlink()
+        self.plan_path(plan.table).write_new(plan.to_json())
         stored = self.read_plan(plan.table)
         assert stored is not None
         return stored
 
     # -- waiting markers -----------------------------------------------------------------------------------
-    def _marker(self, qualified_name: str, chunk: int) -> Path:
+    def _marker(self, qualified_name: str, chunk: int) -> LakePath:
         return self.control / "waiting" / f"{file_token(qualified_name)}@{chunk:06d}.hw"
 
     def mark_waiting(self, qualified_name: str, chunk: int, high_watermark: int) -> None:
         _write_marker(self._marker(qualified_name, chunk), high_watermark)
 
     def clear_waiting(self, qualified_name: str, chunk: int) -> None:
-        self._marker(qualified_name, chunk).unlink(missing_ok=True)
+        self._marker(qualified_name, chunk).unlink()
 
     def waiting_markers(self) -> dict[tuple[str, int], int]:
-        folder = self.control / "waiting"
         markers: dict[tuple[str, int], int] = {}
-        if not folder.exists():
-            return markers
-        for path in folder.glob("*.hw"):
-            token, _, chunk = path.stem.rpartition("@")
+        for entry in (self.control / "waiting").glob("*.hw"):
+            token, _, chunk = entry.path.stem.rpartition("@")
             try:
-                markers[(from_file_token(token), int(chunk))] = int(path.read_text())
+                markers[(from_file_token(token), int(chunk))] = int(entry.path.read_text())
             except (ValueError, FileNotFoundError):
                 continue
         return markers
@@ -165,7 +160,7 @@ class SourceLake:
             return None
 
     # -- tables to read again ------------------------------------------------------------------------------
-    def _resnapshot_path(self, qualified_name: str) -> Path:
+    def _resnapshot_path(self, qualified_name: str) -> LakePath:
         return self.control / "resnapshot" / f"{file_token(qualified_name)}.json"
 
     def mark_resnapshot(self, qualified_name: str, position: int, reason: str) -> None:
@@ -174,21 +169,16 @@ class SourceLake:
         known = self.resnapshot_markers().get(qualified_name)
         if known is not None and known.position >= position:
             return
-        path = self._resnapshot_path(qualified_name)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        temporary = path.with_suffix(".tmp")
-        temporary.write_text(json.dumps({"position": position, "reason": reason}))
-        temporary.replace(path)
+        self._resnapshot_path(qualified_name).write_text(json.dumps({"position": position, "reason": reason}))
 
     def resnapshot_markers(self) -> dict[str, Resnapshot]:
-        folder = self.control / "resnapshot"
         markers: dict[str, Resnapshot] = {}
-        if not folder.exists():
-            return markers
-        for path in folder.glob("*.json"):
+        for entry in (self.control / "resnapshot").glob("*.json"):
             try:
-                data = json.loads(path.read_text())
-                markers[from_file_token(path.stem)] = Resnapshot(int(data["position"]), str(data.get("reason", "")))
+                data = json.loads(entry.path.read_text())
+                markers[from_file_token(entry.path.stem)] = Resnapshot(
+                    int(data["position"]), str(data.get("reason", ""))
+                )
             except (ValueError, KeyError, TypeError, FileNotFoundError):
                 continue
         return markers
@@ -197,27 +187,24 @@ class SourceLake:
         """Remove the table's marker if it still asks for ``position`` (a newer loss keeps its own)."""
         known = self.resnapshot_markers().get(qualified_name)
         if known is not None and known.position == position:
-            self._resnapshot_path(qualified_name).unlink(missing_ok=True)
+            self._resnapshot_path(qualified_name).unlink()
 
     def mark_check_waiting(self, token: str, high_watermark: int) -> None:
         _write_marker(self.control / "waiting-checks" / f"{token}.hw", high_watermark)
 
     def clear_check_waiting(self, token: str) -> None:
-        (self.control / "waiting-checks" / f"{token}.hw").unlink(missing_ok=True)
+        (self.control / "waiting-checks" / f"{token}.hw").unlink()
 
     def check_markers(self) -> list[int]:
         """High watermarks of the checks waiting for the stream now (markers older than ``CHECK_MARKER_SECONDS``
         are removed)."""
-        folder = self.control / "waiting-checks"
-        if not folder.exists():
-            return []
         marks = []
-        for path in folder.glob("*.hw"):
+        for entry in (self.control / "waiting-checks").glob("*.hw"):
             try:
-                if time.time() - path.stat().st_mtime > CHECK_MARKER_SECONDS:
-                    path.unlink(missing_ok=True)
+                if time.time() - (entry.mtime or 0.0) > CHECK_MARKER_SECONDS:
+                    entry.path.unlink()
                 else:
-                    marks.append(int(path.read_text()))
+                    marks.append(int(entry.path.read_text()))
             except (ValueError, FileNotFoundError):
                 continue
         return marks
@@ -225,21 +212,15 @@ class SourceLake:
     def clear_stale_markers(self, open_chunks: set[tuple[str, int]], older_than: float) -> None:
         """Remove markers of chunks that are not open, written before the window log was read (a marker written
         later may belong to a window staged after the read)."""
-        folder = self.control / "waiting"
-        if not folder.exists():
-            return
-        for path in folder.glob("*.hw"):
-            token, _, chunk = path.stem.rpartition("@")
+        for entry in (self.control / "waiting").glob("*.hw"):
+            token, _, chunk = entry.path.stem.rpartition("@")
             try:
-                if (from_file_token(token), int(chunk)) not in open_chunks and path.stat().st_mtime < older_than:
-                    path.unlink(missing_ok=True)
+                if (from_file_token(token), int(chunk)) not in open_chunks and (entry.mtime or 0.0) < older_than:
+                    entry.path.unlink()
             except (ValueError, FileNotFoundError):
                 continue
 
 
-def _write_marker(path: Path, high_watermark: int) -> None:
+def _write_marker(path: LakePath, high_watermark: int) -> None:
     """Write a marker file atomically (a reader never sees it half written)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_suffix(".tmp")
-    temporary.write_text(str(high_watermark))
-    temporary.replace(path)
+    path.write_text(str(high_watermark))

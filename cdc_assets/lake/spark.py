@@ -15,19 +15,38 @@ before they look, 1 GB of 10 MB values, and after small rows up to 10000), so a 
 ``scripts/setup.sh`` fetched with Maven into ``.jars/`` (or the folder named by ``CDC_JARS_DIR``);
 Python workers run the driver's interpreter unless ``PYSPARK_PYTHON`` says otherwise. ``session_conf(spark,
 settings)`` sets ``settings`` in the session's conf for the duration of a block, then restores the previous values.
+
+An object store lake: ``spark_session(config, lake_root)`` with an ``s3a://bucket/prefix`` lake root (a ``str``:
+``pathlib.Path`` collapses ``//``) also loads the s3a jars (hadoop-aws and the AWS SDK bundle, ``object_store_jars``:
+``EXTRAS=s3 scripts/setup.sh`` fetches them into ``.jars/s3/``, or the folder named by ``CDC_S3_JARS_DIR``; a
+``RuntimeError`` naming that command when they are missing) and sets the s3a settings that are not secrets
+(``object_store_conf``: endpoint and region from the environment); ``spark.conf`` in ``cdc.yaml`` overrides them.
+Credentials never enter the Spark conf: s3a's default provider chain reads them (``AWS_ACCESS_KEY_ID``,
+``AWS_SECRET_ACCESS_KEY``, ``AWS_SESSION_TOKEN`` in the driver JVM's environment, which it inherits from this
+process when it starts: set them before the process's first session; then instance metadata). Any other lake root
+(a local path, ``None``) adds nothing. Delta's log store for s3a (``S3SingleDriverLogStore``) makes one driver's
+commits safe, not those of several drivers writing the same table at once. Only one Spark session per process: a
+later call returns the running one, and an s3a lake root then needs it to have been started with the s3a jars (a
+``RuntimeError`` otherwise); its ``spark.hadoop.*`` settings are applied to the running session's Hadoop
+configuration (they reach file systems created after, not the ones already cached). ``remote`` (Spark Connect) adds
+nothing: the server carries its own jars and settings. ``driver_conf(config, lake_root)`` is a local driver's conf.
+The s3a jars go in ``spark.jars`` (a child class loader: Spark's own classes win), which a local driver copies into
+its temporary folder at start (558 MB, 2-3 s for the bundle); ``spark.driver.extraClassPath`` would not copy but
+would put the bundle's unshaded netty 4.1.100 and httpclient ahead of Spark's newer ones.
 """
 
 from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 
 from pyspark.sql import SparkSession
 
 from cdc_assets.config import SparkConfig
+from cdc_assets.lake.object_store import endpoint_from_env, location_scheme, region_from_env
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -65,6 +84,11 @@ BASE_CONF: dict[str, str] = {
     "spark.hadoop.parquet.page.size.row.check.max": "10",
 }
 DRIVER_MEMORY = "spark.driver.memory"
+S3_JARS_ENV = "CDC_S3_JARS_DIR"
+S3_JAR_PREFIXES = ("hadoop-aws-", "bundle-")  # jvm/s3/pom.xml: the s3a file system, the AWS SDK v2 it calls
+S3A_FILE_SYSTEM = "org.apache.hadoop.fs.s3a.S3AFileSystem"
+HADOOP_PREFIX = "spark.hadoop."
+S3A = f"{HADOOP_PREFIX}fs.s3a"
 DRIVER_MEMORY_FLOOR_MB = 1024
 DRIVER_MEMORY_CAP_MB = 16 * 1024
 
@@ -90,12 +114,68 @@ def default_driver_memory(total_bytes: int | None = None) -> str:
     return f"{megabytes}m"
 
 
+def jars_folder() -> Path:
+    """The folder of the JVM jars ``scripts/setup.sh`` fetched: ``$CDC_JARS_DIR``, else ``.jars/``."""
+    return Path(os.environ.get("CDC_JARS_DIR", ROOT / ".jars"))
+
+
 def delta_jars() -> list[str]:
-    folder = Path(os.environ.get("CDC_JARS_DIR", ROOT / ".jars"))
+    folder = jars_folder()
     jars = sorted(str(p) for p in folder.glob("*.jar"))
     if not any("delta-spark" in Path(j).name for j in jars):
         raise RuntimeError(f"no Delta jars in {folder}: run scripts/setup.sh (Maven fetches them from jvm/pom.xml)")
     return jars
+
+
+def is_s3a(lake_root: str | os.PathLike[str] | None) -> bool:
+    """Whether ``lake_root`` is an ``s3a://`` URI (scheme in any case); a ``ValueError`` for one that
+    ``pathlib.Path`` collapsed (``s3a:/bucket``: ``cdc_assets.lake.object_store.location_scheme``)."""
+    return lake_root is not None and location_scheme(os.fspath(lake_root)) == "s3a"
+
+
+def object_store_jars(lake_root: str | os.PathLike[str] | None) -> list[str]:
+    """The jars an ``s3a://`` lake root needs on Spark's classpath (``.jars/s3/*.jar``, or ``$CDC_S3_JARS_DIR``'s, as
+    ``local:`` URIs),
+    none for any other root; a ``RuntimeError`` naming ``EXTRAS=s3 scripts/setup.sh`` when hadoop-aws or the AWS SDK
+    bundle is missing."""
+    if not is_s3a(lake_root):
+        return []
+    folder = Path(os.environ.get(S3_JARS_ENV, jars_folder() / "s3"))
+    jars = sorted(str(p) for p in folder.glob("*.jar"))
+    names = [Path(jar).name for jar in jars]
+    missing = [prefix for prefix in S3_JAR_PREFIXES if not any(name.startswith(prefix) for name in names)]
+    if missing:
+        raise RuntimeError(
+            f"no s3a jars ({', '.join(f'{m}*.jar' for m in missing)}) in {folder}: an s3a:// lake root needs them; run "
+            f"EXTRAS=s3 scripts/setup.sh (Maven fetches them from jvm/s3/pom.xml), or set {S3_JARS_ENV}"
+        )
+    # ``local:``: used where they lie, on the driver and on every worker (a cluster's nodes need them at the same
+    # path); a plain path is copied into each application's temporary folder, 541 MB with the AWS SDK bundle, which
+    # a killed driver leaves behind in /tmp
+    return [f"local:{jar}" for jar in jars]
+
+
+def object_store_conf(
+    lake_root: str | os.PathLike[str] | None, environ: Mapping[str, str] | None = None
+) -> dict[str, str]:
+    """The Spark settings an ``s3a://`` lake root needs that are not secrets, from ``environ`` (default
+    ``os.environ``): ``fs.s3a.endpoint`` from ``AWS_ENDPOINT_URL`` when set (an ``http://`` endpoint, a local
+    S3-compatible server: also path-style requests and no TLS), ``fs.s3a.endpoint.region`` from ``AWS_REGION``, else
+    ``AWS_DEFAULT_REGION``, when set. Never credentials: s3a's default provider chain reads those from the driver's
+    environment. Empty for any other lake root."""
+    if not is_s3a(lake_root):
+        return {}
+    conf: dict[str, str] = {}
+    endpoint = endpoint_from_env(environ)
+    if endpoint is not None:
+        conf[f"{S3A}.endpoint"] = endpoint
+        if endpoint.lower().startswith("http://"):
+            conf[f"{S3A}.path.style.access"] = "true"
+            conf[f"{S3A}.connection.ssl.enabled"] = "false"
+    region = region_from_env(environ)
+    if region is not None:
+        conf[f"{S3A}.endpoint.region"] = region
+    return conf
 
 
 def memory_megabytes(text: str) -> int:
@@ -107,7 +187,22 @@ def memory_megabytes(text: str) -> int:
     return int(value) // 2**20
 
 
-def spark_session(config: SparkConfig) -> SparkSession:
+def driver_conf(config: SparkConfig, lake_root: str | os.PathLike[str] | None = None) -> dict[str, str]:
+    """A local driver's Spark conf: ``BASE_CONF``, the default heap, the Delta jars (and the s3a jars for an
+    ``s3a://`` lake root) in ``spark.jars``, ``object_store_conf(lake_root)``, then ``config.conf``, which overrides
+    any of them."""
+    jars = [*delta_jars(), *object_store_jars(lake_root)]
+    return {
+        **BASE_CONF,
+        DRIVER_MEMORY: default_driver_memory(),
+        "spark.jars": ",".join(jars),
+        **object_store_conf(lake_root),
+        **config.conf,
+    }
+
+
+def spark_session(config: SparkConfig, lake_root: str | os.PathLike[str] | None = None) -> SparkSession:
+    """The process's Spark session for ``config`` and a lake at ``lake_root`` (see the module's contract)."""
     if config.remote:
         builder = SparkSession.builder.remote(config.remote)
         for key, value in config.conf.items():
@@ -119,12 +214,31 @@ def spark_session(config: SparkConfig) -> SparkSession:
     # and YARN set it: the big-value stream test's JVM peaked at 6.9 GB with it, 7.2-7.3 GB without (two runs each)
     os.environ.setdefault("MALLOC_ARENA_MAX", "2")
     builder = SparkSession.builder.master(config.master).appName("cdc-lake")
-    conf = {**BASE_CONF, DRIVER_MEMORY: default_driver_memory(), "spark.jars": ",".join(delta_jars()), **config.conf}
+    conf = driver_conf(config, lake_root)
     for key, value in conf.items():
         builder = builder.config(key, value)
     session = builder.getOrCreate()
     session.sparkContext.setLogLevel("ERROR")
+    if is_s3a(lake_root):
+        use_running_session_for_s3a(session, conf)
     return session
+
+
+def use_running_session_for_s3a(session: SparkSession, conf: dict[str, str]) -> None:
+    """Make the process's session (maybe started earlier, for another lake root) fit an ``s3a://`` lake: a
+    ``RuntimeError`` when it cannot load the s3a file system (started without hadoop-aws: jars cannot be added to a
+    running JVM); ``conf``'s ``spark.hadoop.*`` entries set in its Hadoop configuration (a session started here has
+    them already; a running one gets the endpoint and region, but never credentials from an environment changed since
+    its JVM started)."""
+    if not session._jvm.org.apache.spark.util.Utils.classIsLoadable(S3A_FILE_SYSTEM):
+        raise RuntimeError(
+            "the process's Spark session was started without the s3a jars and cannot load them now: the first "
+            "spark_session call of a process must name the s3a:// lake root"
+        )
+    hadoop_conf = session.sparkContext._jsc.hadoopConfiguration()  # PySpark has no public accessor
+    for key, value in conf.items():
+        if key.startswith(HADOOP_PREFIX):
+            hadoop_conf.set(key.removeprefix(HADOOP_PREFIX), value)
 
 
 @contextmanager

@@ -27,18 +27,16 @@ killed before that record leaves files that no window names; the upkeep drops th
 reconciling a window, the counts above are compared with the recorded ones (``cdc_assets.lake.mirror``), so a
 missing or extra file stops the reconciliation before it writes. Writing the rows from the Python worker avoids
 moving every row into Spark's JVM rows twice (1M rows, warm: 2.7 s to stage this way, 5.0 s through a Delta
-append). The folder is read and written with the local file system API, as the rest of the lake's control data
-(``cdc_assets.lake.layout``).
+append). The folder is read and written through ``cdc_assets.lake.files.LakePath``, as the rest of the lake's
+control data (``cdc_assets.lake.layout``): a local path or an ``s3a://`` URI (the read tasks then write to the object
+store from the workers).
 """
 
 from __future__ import annotations
 
 import os
 import re
-import shutil
-import uuid
 from collections.abc import Iterable, Iterator, Sequence
-from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -46,6 +44,7 @@ import pyarrow.parquet as pq
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import types as T
 
+from cdc_assets.lake.files import LakePath
 from cdc_assets.lake.spark import session_conf
 
 CHUNK_COLUMN = "_cdc_chunk"
@@ -57,13 +56,13 @@ ATTEMPT_ID = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]*")
 INFERENCE_CONF = "spark.sql.sources.partitionColumnTypeInference.enabled"
 
 
-def _attempt_folder(folder: str | os.PathLike[str], attempt: str) -> Path:
+def _attempt_folder(folder: str | os.PathLike[str] | LakePath, attempt: str) -> LakePath:
     if not ATTEMPT_ID.fullmatch(attempt):
         raise ValueError(
             f"attempt id {attempt!r} cannot name a staging folder: allowed are letters, digits, '.', '_' and '-', "
             "not '.' first"
         )
-    return Path(folder) / f"{ATTEMPT_FOLDER_PREFIX}{attempt}"
+    return LakePath(folder) / f"{ATTEMPT_FOLDER_PREFIX}{attempt}"
 
 
 def staged_schema(schema: pa.Schema) -> pa.Schema:
@@ -84,7 +83,7 @@ def _writable(table: pa.Table) -> pa.Table:
 
 
 def write_part(
-    folder: str | os.PathLike[str],
+    folder: str | os.PathLike[str] | LakePath,
     attempt: str,
     chunk: int,
     part: int,
@@ -92,55 +91,56 @@ def write_part(
     schema: pa.Schema,
 ) -> int:
     """Write one sub-range's rows (``tables``, each of ``schema``) as one staged file; the number of rows."""
-    target_folder = _attempt_folder(folder, attempt)
-    target_folder.mkdir(parents=True, exist_ok=True)
-    target = target_folder / f"chunk-{chunk}-part-{part}.parquet"
-    temporary = target_folder / f".{target.name}.{uuid.uuid4().hex}.tmp"
+    target = _attempt_folder(folder, attempt) / f"chunk-{chunk}-part-{part}.parquet"
     rows = 0
-    try:
-        # no dictionaries: Spark read dictionary-encoded staged files into the mirror's write more slowly (10M rows,
-        # back to back: reconciliation 36.4 and 39.6 s without them, 43.4 and 44.4 s with them)
-        with pq.ParquetWriter(temporary, staged_schema(schema), write_statistics=False, use_dictionary=False) as writer:
-            for table in tables:
-                count = table.num_rows
-                table = _writable(table).append_column(CHUNK_COLUMN, pa.array(np.full(count, chunk, dtype=np.int32)))
-                writer.write_table(table)
-                rows += count
-        os.replace(temporary, target)
-    finally:
-        temporary.unlink(missing_ok=True)
+    # no dictionaries: Spark read dictionary-encoded staged files into the mirror's write more slowly (10M rows,
+    # back to back: reconciliation 36.4 and 39.6 s without them, 43.4 and 44.4 s with them)
+    with (
+        target.open_atomic_output() as stream,
+        pq.ParquetWriter(stream, staged_schema(schema), write_statistics=False, use_dictionary=False) as writer,
+    ):
+        for table in tables:
+            count = table.num_rows
+            table = _writable(table).append_column(CHUNK_COLUMN, pa.array(np.full(count, chunk, dtype=np.int32)))
+            writer.write_table(table)
+            rows += count
     return rows
 
 
-def _part_files(folder: Path) -> Iterator[tuple[int, Path]]:
+def _part_files(folder: LakePath) -> Iterator[tuple[int, LakePath]]:
     """(chunk, file) of every complete staged file in an attempt's folder."""
-    if not folder.is_dir():
-        return
-    for entry in sorted(folder.iterdir()):
+    for entry in folder.entries():
         match = PART_FILE.fullmatch(entry.name)
-        if match:
-            yield int(match.group(1)), entry
+        if match and not entry.is_dir:
+            yield int(match.group(1)), entry.path
 
 
-def staged_row_counts(folder: str | os.PathLike[str], attempts: Iterable[str]) -> dict[tuple[str, int], int]:
+def _footer(path: LakePath) -> pq.FileMetaData:
+    return pq.read_metadata(path.path, filesystem=path.filesystem)
+
+
+def staged_row_counts(folder: str | os.PathLike[str] | LakePath, attempts: Iterable[str]) -> dict[tuple[str, int], int]:
     counts: dict[tuple[str, int], int] = {}
     for attempt in sorted(set(attempts)):
         for chunk, path in _part_files(_attempt_folder(folder, attempt)):
-            counts[(attempt, chunk)] = counts.get((attempt, chunk), 0) + pq.read_metadata(path).num_rows
+            counts[(attempt, chunk)] = counts.get((attempt, chunk), 0) + _footer(path).num_rows
     return counts
 
 
-def staged_bytes(folder: str | os.PathLike[str], attempts: Iterable[str]) -> int:
+def staged_bytes(folder: str | os.PathLike[str] | LakePath, attempts: Iterable[str]) -> int:
     total = 0
     for attempt in sorted(set(attempts)):
         for _, path in _part_files(_attempt_folder(folder, attempt)):
-            metadata = pq.read_metadata(path)
+            metadata = _footer(path)
             total += sum(metadata.row_group(i).total_byte_size for i in range(metadata.num_row_groups))
     return total
 
 
 def read_staged(
-    spark: SparkSession, folder: str | os.PathLike[str], attempts: Iterable[str], fields: Sequence[T.StructField]
+    spark: SparkSession,
+    folder: str | os.PathLike[str] | LakePath,
+    attempts: Iterable[str],
+    fields: Sequence[T.StructField],
 ) -> DataFrame:
     paths = [
         str(path) for attempt in sorted(set(attempts)) if any(_part_files(path := _attempt_folder(folder, attempt)))
@@ -149,7 +149,7 @@ def read_staged(
         extra = [T.StructField(CHUNK_COLUMN, T.IntegerType()), T.StructField(ATTEMPT_COLUMN, T.StringType())]
         return spark.createDataFrame([], T.StructType([*fields, *extra]))
     with session_conf(spark, {INFERENCE_CONF: "false"}):  # the folders' partition values are typed here
-        reader = spark.read.option("mergeSchema", "true").option("basePath", str(folder))
+        reader = spark.read.option("mergeSchema", "true").option("basePath", LakePath(folder).uri)
         # no row-group pruning by dictionary: when a staged file's key column was dictionary-encoded in every row
         # group (pyarrow's default, which ``write_part`` no longer uses; older files may have it), parquet-mr expanded
         # each dictionary into a hash set of boxed values to test the join's IS NOT NULL filter: 16 s of garbage
@@ -157,26 +157,22 @@ def read_staged(
         return reader.option("parquet.filter.dictionary.enabled", "false").parquet(*paths)
 
 
-def staged_attempt_times(folder: str | os.PathLike[str]) -> dict[str, float]:
-    base = Path(folder)
-    if not base.is_dir():
-        return {}
+def staged_attempt_times(folder: str | os.PathLike[str] | LakePath) -> dict[str, float]:
     times: dict[str, float] = {}
-    for attempt_folder in base.iterdir():
-        if not attempt_folder.is_dir() or not attempt_folder.name.startswith(ATTEMPT_FOLDER_PREFIX):
+    for attempt_folder in LakePath(folder).entries():
+        if not attempt_folder.is_dir or not attempt_folder.name.startswith(ATTEMPT_FOLDER_PREFIX):
             continue
-        files = [p.stat().st_mtime for p in attempt_folder.iterdir() if p.is_file()]
-        times[attempt_folder.name.removeprefix(ATTEMPT_FOLDER_PREFIX)] = max(
-            files, default=attempt_folder.stat().st_mtime
-        )
+        files = [e.mtime or 0.0 for e in attempt_folder.path.entries() if not e.is_dir]
+        times[attempt_folder.name.removeprefix(ATTEMPT_FOLDER_PREFIX)] = max(files, default=attempt_folder.mtime or 0.0)
     return times
 
 
-def drop_attempts(folder: str | os.PathLike[str], attempts: Iterable[str]) -> int:
+def drop_attempts(folder: str | os.PathLike[str] | LakePath, attempts: Iterable[str]) -> int:
     dropped = 0
     for attempt in sorted(set(attempts)):
         path = _attempt_folder(folder, attempt)
-        if path.is_dir():
-            dropped += sum(1 for p in path.iterdir() if p.is_file())
-            shutil.rmtree(path)
+        files = [e for e in path.entries() if not e.is_dir]
+        if files or path.exists():
+            dropped += len(files)
+            path.rmtree()
     return dropped

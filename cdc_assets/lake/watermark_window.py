@@ -7,7 +7,8 @@ Contract: ``run_window(spark, lake, table, chunks, attempt, watermarks, read)``:
 2. ``read()`` stages the rows of ``chunks`` under ``attempt`` (``cdc_assets.lake.staging``) and returns the rows
    staged per chunk; it returns when every read has finished.
 3. ``watermarks.high_watermark()``: a position of the change stream taken after every read finished.
-4. Fault point ``snapshot.before_window_record``, then one ``staged`` event per chunk in the window log, and each
+4. Fault point ``snapshot.before_window_record``, then one ``staged`` event per chunk in the window log (a file of
+   the run's own, ``cdc_assets.lake.windows.record_staged``: snapshot runs run in parallel, in no pool), and each
    chunk marked waiting (``SourceLake.mark_waiting``) for the stream, which reconciles the window once it has
    passed the high watermark. A run killed before step 4 leaves staged rows that no window names: never read, and
    dropped by the upkeep after a day (``cdc_assets.engine.windows.unrecorded_attempts``).
@@ -24,7 +25,7 @@ from typing import Protocol
 from pyspark.sql import SparkSession
 
 from cdc_assets.engine.faults import fault_point
-from cdc_assets.engine.windows import STAGED, ChunkWindow
+from cdc_assets.engine.windows import ChunkWindow
 from cdc_assets.lake import windows as window_log
 from cdc_assets.lake.layout import SourceLake
 
@@ -55,7 +56,7 @@ def run_window(
         ChunkWindow(table, chunk, attempt, low_position, low_watermark, high_watermark, counts.get(chunk, 0), now)
         for chunk in chunks
     ]
-    window_log.record(spark, lake.windows, STAGED, windows)
+    window_log.record_staged(lake.windows, windows)  # a file of its own: snapshot runs write in parallel
     for window in windows:
         lake.mark_waiting(window.table, window.chunk, window.hw)
     return windows

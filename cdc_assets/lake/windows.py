@@ -1,24 +1,41 @@
-"""The source's chunk window log, an append-only Delta table (``SourceLake.windows``).
+"""The source's chunk window log: an append-only Delta table (``SourceLake.windows``) written by one writer at a
+time, and the staged events of snapshot runs as files beside it.
 
-Contract: ``record(spark, path, event, windows, counts)`` appends one event row per window (blind appends: parallel
-snapshot runs never conflict, a lost creation race is retried); ``read_events(spark, path)`` returns every event
-as ``WindowEvent``s for ``cdc_assets.engine.windows``. Rows carry the low watermark (``low_watermark``: the source's
-text of it; ``lw_lsn``: the position taken just before it), the high watermark, the chunk's staged row count, and for
-``reconciled`` the kept/dropped/deleted counts. Logs written before the low watermark became the source's text hold
-PostgreSQL's snapshot as ``xmin``, ``xmax``, ``xip`` (then the only source kind): read as that snapshot's text; new
-rows leave those columns out (NULL in such a log), and the first new append adds ``low_watermark`` (schema merge).
+Contract:
+- ``record(spark, path, event, windows, counts)`` appends one event row per window to the Delta table (a lost
+  creation race is retried). Only the source's lake-write pool writes it (the stream's reconciliation, the
+  snapshot_rows job): one writer at a time, as Delta's S3 log store needs (it makes one driver's commits safe, not
+  two drivers' commits of the same version, which both PUT it: one commit would vanish).
+- ``record_staged(path, windows)`` is how a snapshot run, in no pool, records its staged windows: one new file per
+  call, ``<path>-staged/<attempt>.<random>.json`` (written whole or not at all, on every store; no two runs write
+  the same name), so parallel snapshot runs never write the same object, on a local disk or an object store.
+- ``read_events(spark, path)`` returns every event: the Delta table's rows and the staged files' windows, each event
+  (event, table, chunk, attempt) once, as ``WindowEvent``s for ``cdc_assets.engine.windows``; a staged file's time is
+  returned as Spark returns the table's (naive, the process's local time), so both compare.
+- ``fold_staged(spark, path)`` (the stream's reconciliation, in the pool) appends the staged files' events that the
+  table lacks as ``staged`` rows, then deletes the files; a run killed between the two leaves files whose events are
+  in the table already: read once (above), and deleted by the next fold.
+
+Rows carry the low watermark (``low_watermark``: the source's text of it; ``lw_lsn``: the position taken just before
+it), the high watermark, the chunk's staged row count, and for ``reconciled`` the kept/dropped/deleted counts. Logs
+written before the low watermark became the source's text hold PostgreSQL's snapshot as ``xmin``, ``xmax``, ``xip``
+(then the only source kind): read as that snapshot's text; new rows leave those columns out (NULL in such a log),
+and the first new append adds ``low_watermark`` (schema merge).
 """
 
 from __future__ import annotations
 
+import json
+import uuid
 from datetime import UTC, datetime
 
 from pyspark.errors import AnalysisException
 from pyspark.sql import SparkSession
 from pyspark.sql import types as T
 
-from cdc_assets.engine.windows import ChunkWindow, WindowEvent
+from cdc_assets.engine.windows import STAGED, ChunkWindow, WindowEvent
 from cdc_assets.lake.delta_tables import is_missing_table
+from cdc_assets.lake.files import LakePath
 from cdc_assets.lake.retry import commit_with_retry
 
 SCHEMA = T.StructType(
@@ -69,9 +86,81 @@ def _low_watermark(row: dict[str, object]) -> str:
     return f"{row['xmin']}:{row['xmax']}:{xip}"
 
 
+def staged_folder(path: str) -> LakePath:
+    """The folder of the staged-event files beside the log at ``path``."""
+    log = LakePath(path)
+    return log.with_name(f"{log.name}-staged")
+
+
+def record_staged(path: str, windows: list[ChunkWindow]) -> None:
+    if not windows:
+        return
+    attempt = windows[0].attempt  # an attempt id is a file name's letters (cdc_assets.lake.staging)
+    data = [
+        {
+            "table": w.table, "chunk": w.chunk, "attempt": w.attempt, "lw_lsn": w.lw_lsn,
+            "low_watermark": w.low_watermark, "hw": w.hw, "rows": w.rows, "at": w.at.astimezone(UTC).isoformat(),
+        }
+        for w in windows
+    ]  # fmt: skip
+    (staged_folder(path) / f"{attempt}.{uuid.uuid4().hex[:8]}.json").write_text(json.dumps(data))
+
+
+def _staged_files(path: str) -> list[tuple[LakePath, list[WindowEvent]]]:
+    files = []
+    for entry in staged_folder(path).glob("*.json"):
+        try:
+            data = json.loads(entry.path.read_text())
+        except FileNotFoundError:  # folded and deleted meanwhile: its events are in the table now
+            continue
+        windows = [
+            ChunkWindow(
+                table=w["table"], chunk=int(w["chunk"]), attempt=w["attempt"], lw_lsn=int(w["lw_lsn"]),
+                low_watermark=w["low_watermark"], hw=int(w["hw"]), rows=int(w["rows"]),
+                at=datetime.fromisoformat(w["at"]).astimezone().replace(tzinfo=None),  # as Spark returns a timestamp
+            )
+            for w in data
+        ]  # fmt: skip
+        files.append((entry.path, [WindowEvent(STAGED, w) for w in windows]))
+    return files
+
+
+def _event_key(item: WindowEvent) -> tuple[str, str, int, str]:
+    return item.event, item.window.table, item.window.chunk, item.window.attempt
+
+
 def read_events(spark: SparkSession, path: str) -> list[WindowEvent]:
-    """Every window event; none when the log does not exist yet (read, not probed: see
-    ``cdc_assets.lake.delta_tables``)."""
+    """Every window event (the table's, then the staged files' it lacks); none when nothing was recorded yet (the
+    table is read, not probed: see ``cdc_assets.lake.delta_tables``)."""
+    events = _table_events(spark, path)
+    known = {_event_key(e) for e in events}
+    for _, staged in _staged_files(path):
+        for item in staged:
+            if _event_key(item) not in known:
+                known.add(_event_key(item))
+                events.append(item)
+    return events
+
+
+def fold_staged(spark: SparkSession, path: str) -> int:
+    """Move the staged files' events into the table (see the module's contract); the number of events appended."""
+    files = _staged_files(path)
+    if not files:
+        return 0
+    known = {_event_key(e) for e in _table_events(spark, path)}
+    new: list[ChunkWindow] = []
+    for _, staged in files:
+        for item in staged:
+            if _event_key(item) not in known:
+                known.add(_event_key(item))
+                new.append(item.window)
+    record(spark, path, STAGED, new)
+    for file, _ in files:
+        file.unlink()
+    return len(new)
+
+
+def _table_events(spark: SparkSession, path: str) -> list[WindowEvent]:
     try:
         rows = spark.read.format("delta").load(path).collect()
     except AnalysisException as error:

@@ -31,6 +31,15 @@ def test_valid_config_and_secret_never_printed() -> None:
     assert config.lake_root == Path("/tmp/lake")
 
 
+def test_an_object_store_lake_root_is_kept_as_its_uri_and_other_schemes_are_refused() -> None:
+    assert parse({**BASE, "lake_root": "s3a://lake-bucket/cdc/"}).lake_root == "s3a://lake-bucket/cdc"
+    assert parse({**BASE, "lake_root": "file:///data/lake"}).lake_root == Path("/data/lake")
+    with pytest.raises(ConfigError, match="lake_root: scheme 'gs' is not supported; allowed: a local path, or a URI"):
+        parse({**BASE, "lake_root": "gs://bucket/lake"})
+    with pytest.raises(ConfigError, match="lake_root: 's3a:///lake' names no bucket"):
+        parse({**BASE, "lake_root": "s3a:///lake"})
+
+
 def test_unknown_key_is_named() -> None:
     raw = {**BASE, "sources": [{**BASE["sources"][0], "chunk_sise": 5}]}
     with pytest.raises(ConfigError, match=r"unknown key sources\[0\]\.chunk_sise; allowed keys here: .*chunk_size"):

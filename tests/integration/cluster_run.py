@@ -24,7 +24,7 @@ from cdc_assets.sources import open_source
 def main(config_path: str, offset_file: str, run_id: str, stream_only: bool) -> None:
     config = load_config(config_path)
     pipeline = open_source(config, config.sources[0])
-    spark = spark_session(config.spark)
+    spark = spark_session(config.spark, config.lake_root)
     for table in pipeline.prepare().values():
         if not stream_only:
             pipeline.snapshot(spark, table, [c.index for c in pipeline.plan(table).chunks], run_id)

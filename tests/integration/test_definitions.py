@@ -121,7 +121,7 @@ def test_stream_asset_records_offset_then_advances_slot(config_path, spark) -> N
     lake = SourceLake(path.parent / "lake", "defs")
     lake.mark_upkeep_done("compact")
     an_hour_ago = time.time() - 3601
-    os.utime(lake.control / "upkeep" / "compact", (an_hour_ago, an_hour_ago))
+    os.utime(path.parent / "lake" / "defs" / "_cdc" / "upkeep" / "compact", (an_hour_ago, an_hour_ago))
     defs = build_definitions(path)
     stream_asset = next(a for a in defs.assets if stream_asset_key("defs") in a.keys)
     instance = DagsterInstance.ephemeral()
@@ -147,7 +147,7 @@ def test_stream_asset_records_offset_then_advances_slot(config_path, spark) -> N
     assert len(upkeep) == 1 and {"upkeep_seconds", "files_compacted", "staging_files_dropped"} <= set(upkeep[0])
     assert upkeep[0]["upkeep_steps"].value == "compact"
     assert not lake.upkeep_due("compact", 3600)  # done: the clock starts again
-    assert (lake.control / "upkeep" / "vacuum").exists() and not lake.upkeep_due("vacuum", 86400)
+    assert (lake.control / "upkeep" / "vacuum").is_file() and not lake.upkeep_due("vacuum", 86400)
 
 
 def test_change_offset_validation_names_field_and_range() -> None:

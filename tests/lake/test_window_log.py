@@ -47,3 +47,34 @@ def test_a_log_of_before_the_text_column_reads_as_postgres_text_and_takes_new_ro
     assert (events["a-old"].hw, events["a-old"].rows, events["a-old"].lw_lsn) == (500, 7, 90)
     assert replace(events["a-new"], at=AT) == new  # Spark returns the timestamp without its zone
     assert [w.attempt for w in open_windows(window_log.read_events(spark, path))] == ["a-old", "a-new"]
+
+
+def test_staged_files_are_events_until_folded_into_the_table_once(spark, tmp_path: Path) -> None:
+    path = str(tmp_path / "windows")
+    assert window_log.read_events(spark, path) == [] and window_log.fold_staged(spark, path) == 0
+    first = [ChunkWindow("public.t", c, "run1-a", 90, "100:110:", 500 + c, 7, AT) for c in (0, 1)]
+    second = [ChunkWindow("public.t", 0, "run2-b", 95, "101:111:", 600, 8, AT.replace(hour=13))]
+    window_log.record_staged(path, first)  # two snapshot runs, each its own file: nothing shared is written
+    window_log.record_staged(path, second)
+    assert len(window_log.staged_folder(path).glob("*.json")) == 2
+    events = window_log.read_events(spark, path)
+    assert sorted((e.event, e.window.chunk, e.window.attempt) for e in events) == [
+        (STAGED, 0, "run1-a"), (STAGED, 0, "run2-b"), (STAGED, 1, "run1-a")
+    ]  # fmt: skip
+    assert [(w.chunk, w.attempt) for w in open_windows(events)] == [(0, "run2-b"), (1, "run1-a")]
+    by_attempt = {(e.window.attempt, e.window.chunk): e.window for e in events}
+    assert replace(by_attempt[("run1-a", 1)], at=AT) == first[1]
+    assert by_attempt[("run1-a", 1)].at.tzinfo is None  # as Spark returns the table's timestamps
+    # the stream folds them into the table: read again, the same events, once, and from the table
+    assert window_log.fold_staged(spark, path) == 3
+    assert window_log.staged_folder(path).glob("*.json") == []
+    folded = window_log.read_events(spark, path)
+    assert sorted((e.window.chunk, e.window.attempt, e.window.at) for e in folded) == sorted(
+        (e.window.chunk, e.window.attempt, e.window.at) for e in events
+    )
+    assert spark.read.format("delta").load(path).count() == 3
+    # a run killed after the fold's append, before its deletes: the file's events are read once, appended never again
+    window_log.record_staged(path, second)
+    assert len(window_log.read_events(spark, path)) == 3
+    assert window_log.fold_staged(spark, path) == 0 and window_log.staged_folder(path).glob("*.json") == []
+    assert spark.read.format("delta").load(path).count() == 3

@@ -51,11 +51,9 @@ from __future__ import annotations
 
 import json
 import os
-import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from datetime import UTC, datetime
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pymongo
@@ -68,6 +66,7 @@ from cdc_assets.engine.chunks import Chunk, ChunkPlan
 from cdc_assets.engine.row_filter import RowFilter, parse_row_filter
 from cdc_assets.engine.windows import FILL_CHUNK, ROWS_CHUNK
 from cdc_assets.lake import staging
+from cdc_assets.lake.files import LakePath
 from cdc_assets.lake.layout import SourceLake
 from cdc_assets.lake.schema import spark_fields
 from cdc_assets.source import CapturedTablesChanged, PermanentBatchError, SourceError, SourceLag
@@ -96,19 +95,11 @@ START_FILE = "mongodb_stream_start.json"
 LEGACY_ACKNOWLEDGED_FILE = "mongodb_acknowledged.json"
 
 
-def _write_once(path: Path, data: dict[str, Any]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_name(f".{path.name}.{uuid.uuid4().hex}")
-    temporary.write_text(json.dumps(data))
-    try:
-        os.link(temporary, path)  # first writer wins
-    except FileExistsError:
-        pass
-    finally:
-        temporary.unlink(missing_ok=True)
+def _write_once(path: LakePath, data: dict[str, Any]) -> None:
+    path.write_new(json.dumps(data))  # first writer wins
 
 
-def _read_position(path: Path) -> int | None:
+def _read_position(path: LakePath) -> int | None:
     try:
         return int(json.loads(path.read_text())["position"])
     except (FileNotFoundError, ValueError, KeyError, TypeError):
@@ -177,9 +168,9 @@ class MongoWindow:
         return snapshot.read_whole(stage)
 
 
-def _reader(path: Path):
+def _reader(path: LakePath):
     def frame(spark: SparkSession) -> DataFrame:
-        return spark.read.parquet(str(path))
+        return spark.read.parquet(path.uri)
 
     return frame
 
@@ -189,14 +180,14 @@ class MongoDialect:
     bounded_reads = True
 
     def __init__(
-        self, source: SourceConfig, control: str | os.PathLike[str],
+        self, source: SourceConfig, control: str | os.PathLike[str] | LakePath,
         listeners: Sequence[monitoring.CommandListener] = (),
     ) -> None:  # fmt: skip
         if not isinstance(source.connection, MongoConnection):
             raise TypeError(f"source {source.name!r} is not a MongoDB source")
         self.source = source
         self.connection: MongoConnection = source.connection
-        self.control = Path(control)
+        self.control = LakePath(control)
         self.lake = SourceLake.of_control(self.control)
         self.listeners = tuple(listeners)
         options = source.mongodb if source.mongodb is not None else MongoOptions()
@@ -374,7 +365,7 @@ class MongoDialect:
 
     # -- stream ----------------------------------------------------------------------------------------------
     def read_batch(
-        self, recorded: Offset | None, tables: Mapping[str, CapturedCollection], spill_dir: Path, max_changes: int,
+        self, recorded: Offset | None, tables: Mapping[str, CapturedCollection], spill_dir: LakePath, max_changes: int,
         max_bytes: int, until: int | None = None,
     ) -> ChangeBatch:  # fmt: skip
         after = self.stream_start() if recorded is None else self.position(recorded)
@@ -462,7 +453,7 @@ class MongoDialect:
     def acknowledge(self, offset: Offset) -> int:
         """MongoDB keeps nothing for us: nothing to tell the server (``CdcPipeline.acknowledge`` records the position
         in the lake, which ``pending`` and ``lag`` read)."""
-        (self.control / LEGACY_ACKNOWLEDGED_FILE).unlink(missing_ok=True)
+        (self.control / LEGACY_ACKNOWLEDGED_FILE).unlink()
         return self.position(offset)
 
     def validate_offset(self, requested: Mapping[str, str]) -> dict[str, object]:

@@ -44,7 +44,6 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from pathlib import Path
 from typing import Any, TypeVar
 
 import pyarrow as pa
@@ -52,6 +51,7 @@ import pyarrow.parquet as pq
 import pymongo
 from pymongo.errors import OperationFailure
 
+from cdc_assets.lake.files import LakePath
 from cdc_assets.source import PermanentBatchError
 from cdc_assets.sources.mongodb import client as clients
 from cdc_assets.sources.mongodb.bson_order import canonical_json
@@ -242,7 +242,7 @@ class Merge:
 def read_batch(
     client: pymongo.MongoClient, capabilities: clients.Capabilities, latest: clients.LatestEvent,
     tables: Sequence[CapturedCollection], start: int, max_changes: int, max_bytes: int, full_document: str,
-    spill_dir: Path, on_bound: Callable[[int], None] | None = None, until: int | None = None,
+    spill_dir: LakePath, on_bound: Callable[[int], None] | None = None, until: int | None = None,
     before_change: str = "off",
 ) -> tuple[StreamBatch, dict[str, SpilledTable]]:  # fmt: skip
     """Events after position ``start - 1`` and at or before ``until`` (see the module docstring), their rows spilled
@@ -367,7 +367,7 @@ def _pre_image(event: Event) -> dict[str, Any] | None:
 
 @dataclass
 class SpilledTable:
-    path: Path
+    path: LakePath
     changes: int
     bytes: int
     parts: int
@@ -379,7 +379,7 @@ class Spill:
     per table, whatever the batch's size. ``schemas``: a table's changelog schema (``change_schema``; default
     ``CHANGE_SCHEMA``, no declared fields)."""
 
-    def __init__(self, spill_dir: Path, schemas: Mapping[str, pa.Schema] | None = None) -> None:
+    def __init__(self, spill_dir: LakePath, schemas: Mapping[str, pa.Schema] | None = None) -> None:
         self.spill_dir = spill_dir
         self.schemas = dict(schemas or {})
         self.buffers: dict[str, list[dict[str, Any]]] = {}
@@ -401,8 +401,9 @@ class Spill:
             return
         if name not in self.writers:
             path = self.spill_dir / f"t{len(self.writers):04d}" / "part-00000.parquet"
-            path.parent.mkdir(parents=True, exist_ok=True)
-            self.writers[name] = pq.ParquetWriter(path, self.schemas.get(name, CHANGE_SCHEMA))
+            path.parent.mkdir()
+            schema = self.schemas.get(name, CHANGE_SCHEMA)
+            self.writers[name] = pq.ParquetWriter(path.path, schema, filesystem=path.filesystem)
             self.tables[name] = SpilledTable(path, 0, 0, 0)
         self.writers[name].write_table(pa.Table.from_pylist(rows, schema=self.schemas.get(name, CHANGE_SCHEMA)))
         table = self.tables[name]
@@ -415,7 +416,7 @@ class Spill:
             self._flush(name)
         for name, writer in self.writers.items():
             writer.close()
-            self.tables[name].bytes = self.tables[name].path.stat().st_size
+            self.tables[name].bytes = self.tables[name].path.size()
         self.writers = {}
         return self.tables
 

@@ -35,7 +35,6 @@ import json
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from datetime import UTC, datetime
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import psycopg
@@ -49,6 +48,7 @@ from cdc_assets.engine.chunks import Chunk, ChunkPlan
 from cdc_assets.engine.row_filter import RowFilter, RowFilterError, parse_row_filter
 from cdc_assets.engine.windows import FILL_CHUNK, ROWS_CHUNK
 from cdc_assets.lake import staging
+from cdc_assets.lake.files import LakePath
 from cdc_assets.source import PermanentBatchError, SourceLag
 from cdc_assets.sources.postgres import catalog, snapshot, stream
 from cdc_assets.sources.postgres.catalog import CapturedTable, SkippedTable
@@ -156,14 +156,14 @@ class PostgresWindow(snapshot.PostgresWatermarks):
         return staging.write_part(staging_path, attempt, ROWS_CHUNK, 0, parts, arrow_schema(columns))
 
 
-def _changes_reader(parts: list[Path], transactions: Path):
+def _changes_reader(parts: list[LakePath], transactions: LakePath):
     """The changelog rows of a table's spill parts: each change joined with its transaction (position, xid, time)."""
 
     def frame(spark: SparkSession) -> DataFrame:
         from pyspark.sql import functions as F
 
-        changes = spark.read.option("mergeSchema", "true").parquet(*[str(p) for p in parts])
-        return changes.join(F.broadcast(spark.read.parquet(str(transactions))), "_cdc_commit_lsn")
+        changes = spark.read.option("mergeSchema", "true").parquet(*[p.uri for p in parts])
+        return changes.join(F.broadcast(spark.read.parquet(transactions.uri)), "_cdc_commit_lsn")
 
     return frame
 
@@ -215,7 +215,7 @@ class PostgresDialect:
 
     # -- stream ----------------------------------------------------------------------------------------------
     def read_batch(
-        self, recorded: Offset | None, tables: Mapping[str, CapturedTable], spill_dir: Path, max_changes: int,
+        self, recorded: Offset | None, tables: Mapping[str, CapturedTable], spill_dir: LakePath, max_changes: int,
         max_bytes: int,
     ) -> ChangeBatch:  # fmt: skip
         settings = self.source.stream
@@ -361,9 +361,9 @@ class PostgresDialect:
         return isinstance(error, PermanentBatchError)
 
 
-def _commit_positions(path: Path | None) -> dict[int, int]:
+def _commit_positions(path: LakePath | None) -> dict[int, int]:
     """commit LSN -> commit end LSN (``_cdc_position``) of a batch's transactions, read in the driver."""
     if path is None:
         return {}
-    table = pq.read_table(path, columns=["_cdc_commit_lsn", "_cdc_position"])
+    table = pq.read_table(path.path, columns=["_cdc_commit_lsn", "_cdc_position"], filesystem=path.filesystem)
     return dict(zip(table.column(0).to_pylist(), table.column(1).to_pylist(), strict=True))

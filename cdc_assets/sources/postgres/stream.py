@@ -45,7 +45,6 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import datetime
-from pathlib import Path
 from typing import TypeVar
 
 import numpy as np
@@ -55,6 +54,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from cdc_assets.engine.names import lake_folder, qualify
+from cdc_assets.lake.files import LakePath
 from cdc_assets.source import CapturedTablesChanged, PermanentBatchError
 from cdc_assets.sources.postgres.catalog import CapturedTable
 from cdc_assets.sources.postgres.lsn import format_lsn, parse_lsn
@@ -80,8 +80,8 @@ class SchemaChangeError(PermanentBatchError):
 class TableSpill:
     table: CapturedTable
     columns: list[PgColumn]
-    directory: Path
-    parts: list[Path] = field(default_factory=list)
+    directory: LakePath
+    parts: list[LakePath] = field(default_factory=list)
     messages: list[bytes] = field(default_factory=list)  # row changes, decoded column-wise when flushed
     positions: list[tuple[int, int]] = field(default_factory=list)  # (commit_lsn, seq) of each message
     truncate_positions: list[tuple[int, int]] = field(default_factory=list)  # not flushed yet
@@ -134,10 +134,10 @@ class TableSpill:
                 "before": _struct(before, pa.array(np.concatenate([images.old.present, no_image]))),
             }
         )
-        self.directory.mkdir(parents=True, exist_ok=True)
+        self.directory.mkdir()
         path = self.directory / f"part-{len(self.parts):05d}.parquet"
         # one row group: a reader (Spark's Parquet reader) holds one part's bytes at most, never more
-        pq.write_table(part, path, row_group_size=max(1, part.num_rows))
+        pq.write_table(part, path.path, row_group_size=max(1, part.num_rows), filesystem=path.filesystem)
         self.parts.append(path)
         self.messages, self.positions, self.truncate_positions = [], [], []
         self.pending_bytes = 0
@@ -169,7 +169,7 @@ class Batch:
     last_xid: int | None
     last_commit_ts: datetime | None
     spills: dict[str, TableSpill]
-    transactions_path: Path | None
+    transactions_path: LakePath | None
     bytes: int = 0
     cut_by_byte_limit: bool = False
 
@@ -244,7 +244,7 @@ def read_batch(
     slot: str,
     publication: str,
     tables: dict[str, CapturedTable],
-    spill_dir: Path,
+    spill_dir: LakePath,
     max_changes: int,
     spill_rows: int,
     max_bytes: int | None = None,
@@ -319,7 +319,7 @@ def read_batch(
     applied = last[1] if cut and last else max(flush_lsn, start_lsn)
     transactions_path = None
     if transactions:
-        spill_dir.mkdir(parents=True, exist_ok=True)
+        spill_dir.mkdir()
         transactions_path = spill_dir / "transactions.parquet"
         commit_lsn, end_lsn, xid, commit_ts = zip(*transactions, strict=True)
         pq.write_table(
@@ -331,7 +331,8 @@ def read_batch(
                     "_cdc_ts": pa.array(commit_ts, pa.timestamp("us", tz="UTC")),
                 }
             ),
-            transactions_path,
+            transactions_path.path,
+            filesystem=transactions_path.filesystem,
         )
     return Batch(
         start_lsn=start_lsn,
@@ -374,7 +375,7 @@ def _spill_for(
     relation: Relation,
     tables: dict[str, CapturedTable],
     spills: dict[str, TableSpill],
-    spill_dir: Path,
+    spill_dir: LakePath,
     relation_columns: dict[int, list[PgColumn]],
     conn: psycopg.Connection,
     roots: dict[int, str | None],

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
+from cdc_assets.lake.files import LakePath
 from cdc_assets.sources.postgres.catalog import CapturedTable
 from cdc_assets.sources.postgres.pg_values import PgColumn
 from cdc_assets.sources.postgres.pgoutput import UNCHANGED_TOAST
@@ -26,7 +27,7 @@ TABLE = CapturedTable("src", "public", "t", tuple(COLUMNS), ("id",), True, False
 
 
 def spill_part(tmp_path: Path, messages: list[bytes], truncates: int = 0) -> tuple[TableSpill, list[dict]]:
-    spill = TableSpill(TABLE, list(COLUMNS), tmp_path / "t")
+    spill = TableSpill(TABLE, list(COLUMNS), LakePath(tmp_path / "t"))
     for seq, message in enumerate(messages):
         spill.messages.append(message)
         spill.positions.append((100, seq))
@@ -34,7 +35,7 @@ def spill_part(tmp_path: Path, messages: list[bytes], truncates: int = 0) -> tup
         spill.truncate_positions.append((200, seq))
     spill.flush()
     assert spill.pending == 0
-    return spill, pq.read_table(spill.parts[-1]).to_pylist()
+    return spill, pq.read_table(spill.parts[-1].path).to_pylist()
 
 
 def test_images_ops_and_typed_values(tmp_path: Path) -> None:

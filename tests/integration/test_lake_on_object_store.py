@@ -1,0 +1,130 @@
+"""The lake on an object store (``s3a://``, moto's S3 server on loopback: the ``s3_lake`` fixture): the control files,
+the staged chunk files and the whole PostgreSQL pipeline, with nothing written to a local lake.
+
+- ``LakePath``'s contract, checked by the same functions as on a local disk (``tests/lake/test_files.py``).
+- The source's control files (``SourceLake``: plans, waiting markers, acknowledged position, resnapshot markers).
+- Staged chunk files written by pyarrow to S3 and read by Spark through s3a, with the checks of
+  ``tests/lake/test_staging.py`` that take any folder.
+- The end-to-end scenario (``tests.integration.kill_rerun_scenario``: a snapshot under a concurrent writer, a run
+  killed while staging, one killed after a stream batch's lake commit, a stream run to the end, every mirror equal
+  to its source) with ``lake_root: s3a://...`` and ``local[2]``; afterwards the bucket holds the tables' Delta logs
+  and the control files, and no local folder was made for the lake.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import boto3
+import pytest
+from pyspark.sql import SparkSession
+
+from cdc_assets.engine.chunks import Chunk, ChunkPlan
+from cdc_assets.lake.files import LakePath
+from cdc_assets.lake.layout import Resnapshot, SourceLake
+from cdc_assets.lake.staging import drop_attempts, staged_attempt_times, staged_bytes, staged_row_counts, write_part
+from tests.integration.kill_rerun_scenario import kills_and_reruns_end_exact
+from tests.integration.support import PG_PORT
+from tests.lake import test_files, test_staging
+
+DATABASE = "pipe_s3"
+
+
+def test_lake_paths_keep_their_contract_on_s3(s3_lake: str) -> None:
+    root = LakePath(f"{s3_lake}/files")
+    assert root.local_path is None and root.uri == f"{s3_lake}/files"
+    test_files.check_names(root)
+    test_files.check_text_files(root)
+    test_files.check_atomic_output(root)
+
+
+def test_a_source_lakes_control_files_on_s3(s3_lake: str) -> None:
+    lake = SourceLake(s3_lake, "ctl")
+    assert str(lake.control) == f"{s3_lake}/ctl/_cdc"
+    assert lake.read_plan("public.t") is None and lake.waiting_markers() == {} and lake.acknowledged() is None
+    plan = ChunkPlan("public.t", ("id",), (Chunk(0, None, (10,)), Chunk(1, (10,), None)))
+    assert lake.store_plan(plan) == plan
+    other = ChunkPlan("public.t", ("id",), (Chunk(0, None, None),))
+    assert lake.store_plan(other) == plan  # stored once: the first plan stays
+    lake.mark_waiting("public.t", 1, 500)
+    lake.mark_waiting('odd."name"', 0, 700)
+    assert lake.waiting_markers() == {("public.t", 1): 500, ('odd."name"', 0): 700}
+    lake.clear_waiting("public.t", 1)
+    assert lake.waiting_markers() == {('odd."name"', 0): 700}
+    lake.record_acknowledged(42)
+    assert SourceLake.of_control(lake.control).acknowledged() == 42
+    lake.mark_resnapshot("public.t", 100, "history lost")
+    lake.mark_resnapshot("public.t", 90, "older")
+    assert lake.resnapshot_markers() == {"public.t": Resnapshot(100, "history lost")}
+    lake.mark_check_waiting("c1", 77)
+    assert lake.check_markers() == [77]
+    lake.clear_check_waiting("c1")
+    assert lake.check_markers() == []
+    assert not lake.upkeep_due("compact", 3600) and (lake.control / "upkeep" / "compact").is_file()
+
+
+def test_staged_chunk_files_on_s3(spark: SparkSession, s3_lake: str) -> None:
+    folder = f"{s3_lake}/staged-checks"
+    test_staging.test_every_codec_type_reads_back_as_its_spark_type_and_value(spark, f"{folder}/types")
+    test_staging.test_attempts_staged_before_a_column_was_added_read_it_as_null(spark, f"{folder}/added")
+    test_staging.test_attempt_ids_that_look_like_dates_or_numbers_stay_strings(spark, f"{folder}/dates")
+    schema = test_staging.arrow_schema(test_staging.COLUMNS)
+    table = test_staging.typed_rows(test_staging.COLUMNS, test_staging.TEXTS)
+    staged = f"{folder}/retried"
+    write_part(staged, "a1", 0, 0, [table], schema)
+    write_part(staged, "a1", 0, 0, [table.slice(0, 2)], schema)  # a retried task's file replaces the first
+
+    def dies_after_one_batch():
+        yield table
+        raise ConnectionError("the read died")
+
+    with pytest.raises(ConnectionError, match="the read died"):
+        write_part(staged, "a1", 1, 0, dies_after_one_batch(), schema)
+    assert staged_row_counts(staged, ["a1"]) == {("a1", 0): 2}  # nothing of chunk 1, complete or partial
+    assert [e.name for e in (LakePath(staged) / "_cdc_attempt=a1").entries()] == ["chunk-0-part-0.parquet"]
+    assert staged_bytes(staged, ["a1"]) > 0
+    assert set(staged_attempt_times(staged)) == {"a1"}
+    assert drop_attempts(staged, ["a1", "never-staged"]) == 1
+    assert staged_attempt_times(staged) == {} and LakePath(staged).entries() == []
+
+
+CONFIG = """
+lake_root: {lake}
+spark:
+  master: "local[2]"
+  conf:
+    spark.driver.memory: 1g
+    spark.ui.enabled: "true"
+sources:
+  - name: s3
+    kind: postgres
+    connection: {{host: 127.0.0.1, port: {port}, dbname: {database}, user: {database}_reader,
+                 password: "${{CL_PW}}"}}
+    slot: {database}
+    publication: {database}
+    chunk_size: 1000
+    include: ["public.*"]
+"""
+
+
+def test_snapshot_kills_and_stream_with_the_lake_on_s3_end_exact(
+    postgres_server: dict[str, str], spark: SparkSession, s3_lake: str, tmp_path: Path, monkeypatch
+) -> None:
+    lake = f"{s3_lake}/pipeline"
+    config = CONFIG.format(lake=lake, port=PG_PORT, database=DATABASE)
+    figures = kills_and_reruns_end_exact(postgres_server, DATABASE, config, tmp_path, spark, monkeypatch)
+    assert figures["master"] == "local[2]" and figures["batches"] >= 1
+    bucket, _, prefix = lake.removeprefix("s3a://").partition("/")
+    client = boto3.client("s3")
+    keys = [
+        item["Key"].removeprefix(f"{prefix}/")
+        for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=f"{prefix}/")
+        for item in page.get("Contents", [])
+    ]
+    for table in ("public.items", "public.pairs"):
+        assert f"s3/{table}/mirror/_delta_log/00000000000000000000.json" in keys, keys[:50]
+        assert any(k.startswith(f"s3/{table}/changelog/_delta_log/") for k in keys)
+        assert f"s3/_cdc/plans/{table}.json" in keys
+    assert "s3/_cdc/acknowledged" in keys and any(k.startswith("s3/_cdc/windows/_delta_log/") for k in keys)
+    assert not [k for k in keys if "/_cdc/spill/" in k and not k.endswith("/")]  # every batch's spill was removed
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cdc.yaml", "offset.json", "run1.log", "run2.log", "run3.log"]
