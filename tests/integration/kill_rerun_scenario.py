@@ -29,9 +29,26 @@ from pyspark.sql import SparkSession
 
 from cdc_assets.config import load_config
 from cdc_assets.sources.postgres.pipeline import PostgresPipeline
-from tests.integration.support import READER_PASSWORD, mirror_rows, seeded_source, source_rows
+from tests.integration.support import PG_PORT, READER_PASSWORD, mirror_rows, seeded_source, source_rows
 
 ROOT = Path(__file__).resolve().parents[2]
+SOURCE = """
+sources:
+  - name: {name}
+    kind: postgres
+    connection: {{host: 127.0.0.1, port: {port}, dbname: {database}, user: {database}_reader,
+                 password: "${{CL_PW}}"}}
+    slot: {database}
+    publication: {database}
+    chunk_size: 1000
+    include: ["public.*"]
+"""
+
+
+def scenario_config(lake_and_spark: str, name: str, database: str) -> str:
+    """A ``cdc.yaml`` of ``lake_and_spark`` (its ``lake_root`` and ``spark`` keys) and one PostgreSQL source ``name``
+    reading ``database`` (``chunk_size`` 1000, every table of ``public``)."""
+    return lake_and_spark + SOURCE.format(name=name, port=PG_PORT, database=database)
 
 
 class Writer(threading.Thread):

@@ -23,8 +23,7 @@ from cdc_assets.engine.chunks import Chunk, ChunkPlan
 from cdc_assets.lake.files import LakePath
 from cdc_assets.lake.layout import Resnapshot, SourceLake
 from cdc_assets.lake.staging import drop_attempts, staged_attempt_times, staged_bytes, staged_row_counts, write_part
-from tests.integration.kill_rerun_scenario import kills_and_reruns_end_exact
-from tests.integration.support import PG_PORT
+from tests.integration.kill_rerun_scenario import kills_and_reruns_end_exact, scenario_config
 from tests.lake import test_files, test_staging
 
 DATABASE = "pipe_s3"
@@ -95,15 +94,6 @@ spark:
   conf:
     spark.driver.memory: 1g
     spark.ui.enabled: "true"
-sources:
-  - name: s3
-    kind: postgres
-    connection: {{host: 127.0.0.1, port: {port}, dbname: {database}, user: {database}_reader,
-                 password: "${{CL_PW}}"}}
-    slot: {database}
-    publication: {database}
-    chunk_size: 1000
-    include: ["public.*"]
 """
 
 
@@ -111,7 +101,7 @@ def test_snapshot_kills_and_stream_with_the_lake_on_s3_end_exact(
     postgres_server: dict[str, str], spark: SparkSession, s3_lake: str, tmp_path: Path, monkeypatch
 ) -> None:
     lake = f"{s3_lake}/pipeline"
-    config = CONFIG.format(lake=lake, port=PG_PORT, database=DATABASE)
+    config = scenario_config(CONFIG.format(lake=lake), "s3", DATABASE)
     figures = kills_and_reruns_end_exact(postgres_server, DATABASE, config, tmp_path, spark, monkeypatch)
     assert figures["master"] == "local[2]" and figures["batches"] >= 1
     bucket, _, prefix = lake.removeprefix("s3a://").partition("/")

@@ -16,8 +16,7 @@ from pathlib import Path
 import pytest
 from pyspark.sql import SparkSession
 
-from tests.integration.kill_rerun_scenario import kills_and_reruns_end_exact
-from tests.integration.support import PG_PORT
+from tests.integration.kill_rerun_scenario import kills_and_reruns_end_exact, scenario_config
 from tools.spark_standalone import free_port, standalone_cluster
 
 DATABASE = "pipe_cluster"
@@ -42,15 +41,6 @@ spark:
     spark.driver.bindAddress: 127.0.0.1
     spark.ui.enabled: "true"
     spark.ui.port: "{ui}"
-sources:
-  - name: cl
-    kind: postgres
-    connection: {{host: 127.0.0.1, port: {port}, dbname: {database}, user: {database}_reader,
-                 password: "${{CL_PW}}"}}
-    slot: {database}
-    publication: {database}
-    chunk_size: 1000
-    include: ["public.*"]
 """
 
 
@@ -58,7 +48,7 @@ def test_snapshot_kills_and_stream_on_a_standalone_cluster_end_exact(
     postgres_server: dict[str, str], spark_cluster: str, spark: SparkSession, tmp_path: Path, monkeypatch
 ) -> None:
     lake = tmp_path / "lake"
-    config = CONFIG.format(lake=lake, master=spark_cluster, ui=free_port(), port=PG_PORT, database=DATABASE)
+    config = scenario_config(CONFIG.format(lake=lake, master=spark_cluster, ui=free_port()), "cl", DATABASE)
     figures = kills_and_reruns_end_exact(postgres_server, DATABASE, config, tmp_path, spark, monkeypatch)
     assert figures["master"] == spark_cluster
     workers = [e for e in figures["executors"] if e["id"] != "driver"]
