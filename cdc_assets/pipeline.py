@@ -565,9 +565,9 @@ class CdcPipeline(Generic[TableT]):
     ) -> tuple[list[dict[str, object]], int, set[str], list[dict[str, object]]]:
         """Reconcile the windows the stream has passed: the chunks reconciled, the windows still open, the tables
         whose fill window was reconciled, and the rows windows reconciled (ad-hoc snapshots of chosen rows)."""
-        window_log.fold_staged(spark, self.lake.windows)  # the snapshot runs' staged events into the table
         log_read_at = time.time()
-        events = window_log.read_events(spark, self.lake.windows)
+        # the snapshot runs' staged events into the table, and every event, from one read of the log
+        _, events = window_log.fold_staged(spark, self.lake.windows)
         pending = open_windows(events)
         since = {name: marker.position for name, marker in self.lake.resnapshot_markers().items()}
         stale = read_before(pending, since)  # read before changes the source lost: never applied

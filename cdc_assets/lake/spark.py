@@ -135,9 +135,8 @@ def is_s3a(lake_root: str | os.PathLike[str] | None) -> bool:
 
 def object_store_jars(lake_root: str | os.PathLike[str] | None) -> list[str]:
     """The jars an ``s3a://`` lake root needs on Spark's classpath (``.jars/s3/*.jar``, or ``$CDC_S3_JARS_DIR``'s, as
-    ``local:`` URIs),
-    none for any other root; a ``RuntimeError`` naming ``EXTRAS=s3 scripts/setup.sh`` when hadoop-aws or the AWS SDK
-    bundle is missing."""
+    ``local:`` URIs), none for any other root; a ``RuntimeError`` naming ``EXTRAS=s3 scripts/setup.sh`` when
+    hadoop-aws or the AWS SDK bundle is missing."""
     if not is_s3a(lake_root):
         return []
     folder = Path(os.environ.get(S3_JARS_ENV, jars_folder() / "s3"))

@@ -120,6 +120,7 @@ def _footer(path: LakePath) -> pq.FileMetaData:
 
 
 def staged_row_counts(folder: str | os.PathLike[str] | LakePath, attempts: Iterable[str]) -> dict[tuple[str, int], int]:
+    folder = LakePath(folder)  # resolved once, not once per attempt (an object store's client each time)
     counts: dict[tuple[str, int], int] = {}
     for attempt in sorted(set(attempts)):
         for chunk, path in _part_files(_attempt_folder(folder, attempt)):
@@ -128,6 +129,7 @@ def staged_row_counts(folder: str | os.PathLike[str] | LakePath, attempts: Itera
 
 
 def staged_bytes(folder: str | os.PathLike[str] | LakePath, attempts: Iterable[str]) -> int:
+    folder = LakePath(folder)
     total = 0
     for attempt in sorted(set(attempts)):
         for _, path in _part_files(_attempt_folder(folder, attempt)):
@@ -142,6 +144,7 @@ def read_staged(
     attempts: Iterable[str],
     fields: Sequence[T.StructField],
 ) -> DataFrame:
+    folder = LakePath(folder)
     paths = [
         str(path) for attempt in sorted(set(attempts)) if any(_part_files(path := _attempt_folder(folder, attempt)))
     ]
@@ -149,7 +152,7 @@ def read_staged(
         extra = [T.StructField(CHUNK_COLUMN, T.IntegerType()), T.StructField(ATTEMPT_COLUMN, T.StringType())]
         return spark.createDataFrame([], T.StructType([*fields, *extra]))
     with session_conf(spark, {INFERENCE_CONF: "false"}):  # the folders' partition values are typed here
-        reader = spark.read.option("mergeSchema", "true").option("basePath", LakePath(folder).uri)
+        reader = spark.read.option("mergeSchema", "true").option("basePath", folder.uri)
         # no row-group pruning by dictionary: when a staged file's key column was dictionary-encoded in every row
         # group (pyarrow's default, which ``write_part`` no longer uses; older files may have it), parquet-mr expanded
         # each dictionary into a hash set of boxed values to test the join's IS NOT NULL filter: 16 s of garbage
@@ -168,6 +171,7 @@ def staged_attempt_times(folder: str | os.PathLike[str] | LakePath) -> dict[str,
 
 
 def drop_attempts(folder: str | os.PathLike[str] | LakePath, attempts: Iterable[str]) -> int:
+    folder = LakePath(folder)
     dropped = 0
     for attempt in sorted(set(attempts)):
         path = _attempt_folder(folder, attempt)

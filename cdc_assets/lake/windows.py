@@ -13,8 +13,9 @@ Contract:
   (event, table, chunk, attempt) once, as ``WindowEvent``s for ``cdc_assets.engine.windows``; a staged file's time is
   returned as Spark returns the table's (naive, the process's local time), so both compare.
 - ``fold_staged(spark, path)`` (the stream's reconciliation, in the pool) appends the staged files' events that the
-  table lacks as ``staged`` rows, then deletes the files; a run killed between the two leaves files whose events are
-  in the table already: read once (above), and deleted by the next fold.
+  table lacks as ``staged`` rows, then deletes the files; it returns the number of events appended and every event
+  (what ``read_events`` returns after it, from the same one read). A run killed between the append and the deletes
+  leaves files whose events are in the table already: read once (above), and deleted by the next fold.
 
 Rows carry the low watermark (``low_watermark``: the source's text of it; ``lw_lsn``: the position taken just before
 it), the high watermark, the chunk's staged row count, and for ``reconciled`` the kept/dropped/deleted counts. Logs
@@ -132,32 +133,32 @@ def _event_key(item: WindowEvent) -> tuple[str, str, int, str]:
 def read_events(spark: SparkSession, path: str) -> list[WindowEvent]:
     """Every window event (the table's, then the staged files' it lacks); none when nothing was recorded yet (the
     table is read, not probed: see ``cdc_assets.lake.delta_tables``)."""
-    events = _table_events(spark, path)
-    known = {_event_key(e) for e in events}
-    for _, staged in _staged_files(path):
-        for item in staged:
-            if _event_key(item) not in known:
-                known.add(_event_key(item))
-                events.append(item)
-    return events
+    table = _table_events(spark, path)
+    return table + _not_in(table, _staged_files(path))
 
 
-def fold_staged(spark: SparkSession, path: str) -> int:
-    """Move the staged files' events into the table (see the module's contract); the number of events appended."""
-    files = _staged_files(path)
-    if not files:
-        return 0
-    known = {_event_key(e) for e in _table_events(spark, path)}
-    new: list[ChunkWindow] = []
+def _not_in(table: list[WindowEvent], files: list[tuple[LakePath, list[WindowEvent]]]) -> list[WindowEvent]:
+    """The staged files' events that ``table`` lacks, each once."""
+    known = {_event_key(e) for e in table}
+    new = []
     for _, staged in files:
         for item in staged:
             if _event_key(item) not in known:
                 known.add(_event_key(item))
-                new.append(item.window)
-    record(spark, path, STAGED, new)
+                new.append(item)
+    return new
+
+
+def fold_staged(spark: SparkSession, path: str) -> tuple[int, list[WindowEvent]]:
+    """Move the staged files' events into the table (see the module's contract); the number of events appended and
+    every event."""
+    files = _staged_files(path)
+    table = _table_events(spark, path)
+    new = _not_in(table, files)
+    record(spark, path, STAGED, [item.window for item in new])  # nothing when there is nothing new
     for file, _ in files:
         file.unlink()
-    return len(new)
+    return len(new), table + new
 
 
 def _table_events(spark: SparkSession, path: str) -> list[WindowEvent]:

@@ -51,7 +51,7 @@ def test_a_log_of_before_the_text_column_reads_as_postgres_text_and_takes_new_ro
 
 def test_staged_files_are_events_until_folded_into_the_table_once(spark, tmp_path: Path) -> None:
     path = str(tmp_path / "windows")
-    assert window_log.read_events(spark, path) == [] and window_log.fold_staged(spark, path) == 0
+    assert window_log.read_events(spark, path) == [] and window_log.fold_staged(spark, path) == (0, [])
     first = [ChunkWindow("public.t", c, "run1-a", 90, "100:110:", 500 + c, 7, AT) for c in (0, 1)]
     second = [ChunkWindow("public.t", 0, "run2-b", 95, "101:111:", 600, 8, AT.replace(hour=13))]
     window_log.record_staged(path, first)  # two snapshot runs, each its own file: nothing shared is written
@@ -66,7 +66,8 @@ def test_staged_files_are_events_until_folded_into_the_table_once(spark, tmp_pat
     assert replace(by_attempt[("run1-a", 1)], at=AT) == first[1]
     assert by_attempt[("run1-a", 1)].at.tzinfo is None  # as Spark returns the table's timestamps
     # the stream folds them into the table: read again, the same events, once, and from the table
-    assert window_log.fold_staged(spark, path) == 3
+    appended, after_fold = window_log.fold_staged(spark, path)
+    assert appended == 3 and sorted(after_fold, key=repr) == sorted(events, key=repr)  # the events, from one read
     assert window_log.staged_folder(path).glob("*.json") == []
     folded = window_log.read_events(spark, path)
     assert sorted((e.window.chunk, e.window.attempt, e.window.at) for e in folded) == sorted(
@@ -76,5 +77,5 @@ def test_staged_files_are_events_until_folded_into_the_table_once(spark, tmp_pat
     # a run killed after the fold's append, before its deletes: the file's events are read once, appended never again
     window_log.record_staged(path, second)
     assert len(window_log.read_events(spark, path)) == 3
-    assert window_log.fold_staged(spark, path) == 0 and window_log.staged_folder(path).glob("*.json") == []
+    assert window_log.fold_staged(spark, path)[0] == 0 and window_log.staged_folder(path).glob("*.json") == []
     assert spark.read.format("delta").load(path).count() == 3
