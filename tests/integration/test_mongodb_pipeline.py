@@ -726,11 +726,18 @@ def test_a_stream_on_the_demos_file_backed_test_server_finds_its_oldest_oplog_en
     try:
         with pymongo.MongoClient(server.uri) as client:
             items = client["shop"]["items"]
-            for i in range(200):  # one oplog entry each, with _ids in no particular order
+            for i in range(200):  # one oplog entry each, stored under random keys (H2's natural order)
                 items.insert_one({"_id": i, "v": i})
             oplog = client.local["oplog.rs"]
             oldest = position_of(oplog.find_one({}, sort=[("ts", 1)])["ts"])
-            natural = position_of(oplog.find_one({}, sort=[("$natural", 1)])["ts"])
+            # The naturally first entry is the one with the smallest random key: the oldest one with chance 1/n. Once
+            # another entry is first, the oldest never is again; so write more until it is not (1 in 10,200 runs
+            # would fail here, not at random further on).
+            for more in range(50):
+                natural = position_of(oplog.find_one({}, sort=[("$natural", 1)])["ts"])
+                if natural != oldest:
+                    break
+                items.insert_many([{"_id": 1000 + 200 * more + i, "v": 1000} for i in range(200)], ordered=True)
             assert natural != oldest  # the backend this test is about (else it proves nothing)
             config, source = source_config(server.uri, tmp_path / "lake", "shop", 1000)
             pipeline = CdcPipeline(config, source, MongoDialect(source, tmp_path / "lake" / "docs" / "_cdc"))
