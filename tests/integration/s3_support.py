@@ -9,6 +9,7 @@ moto depends on) and yields the endpoint URL; without moto, a ``RuntimeError`` n
 The server's request log (logger ``werkzeug``: a line per request on stderr) is silenced below warnings meanwhile.
 On exit the server is stopped, and the log level and every variable it touched get their previous values back (a
 variable that was unset is removed again). The objects live in the server's memory: gone with it.
+``bucket_keys(root)`` lists the keys under an ``s3a://bucket/prefix`` root while the server runs.
 
 A process's environment reaches a JVM only when the JVM starts (a Spark driver started by PySpark copies it then):
 a Spark session that must read these credentials through s3a's provider chain must start inside the block.
@@ -63,3 +64,12 @@ def s3_server(bucket: str) -> Iterator[str]:
                 os.environ[name] = value
         server.stop()
         request_log.setLevel(log_level)
+
+
+def bucket_keys(root: str) -> list[str]:
+    """The keys under the ``s3a://bucket/prefix`` ``root``, relative to it (``prefix/`` removed)."""
+    import boto3
+
+    bucket, _, prefix = root.removeprefix("s3a://").partition("/")
+    pages = boto3.client("s3").get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=f"{prefix}/")
+    return [item["Key"].removeprefix(f"{prefix}/") for page in pages for item in page.get("Contents", [])]

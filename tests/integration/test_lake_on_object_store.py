@@ -1,21 +1,22 @@
 """The lake on an object store (``s3a://``, moto's S3 server on loopback: the ``s3_lake`` fixture): the control files,
-the staged chunk files and the whole PostgreSQL pipeline, with nothing written to a local lake.
+the staged chunk files, and a MongoDB source's pipeline.
 
 - ``LakePath``'s contract, checked by the same functions as on a local disk (``tests/lake/test_files.py``).
 - The source's control files (``SourceLake``: plans, waiting markers, acknowledged position, resnapshot markers).
 - Staged chunk files written by pyarrow to S3 and read by Spark through s3a, with the checks of
   ``tests/lake/test_staging.py`` that take any folder.
-- The end-to-end scenario (``tests.integration.kill_rerun_scenario``: a snapshot under a concurrent writer, a run
-  killed while staging, one killed after a stream batch's lake commit, a stream run to the end, every mirror equal
-  to its source) with ``lake_root: s3a://...`` and ``local[2]``; afterwards the bucket holds the tables' Delta logs
-  and the control files, and no local folder was made for the lake.
+- A MongoDB collection mirrored exactly under writes and run kills (the scenario of
+  ``test_mongodb_pipeline.test_mongodb_collection_mirrored_exactly_under_writes_and_kills``) with its lake on S3:
+  its Delta tables, window log, plans and staged files in the bucket.
+
+The end-to-end scenario on S3 (a snapshot under a concurrent writer, runs killed and run again, the stream to the end,
+every mirror exact) runs on a Spark standalone cluster: ``tests/integration/test_spark_cluster.py``.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-import boto3
 import pytest
 from pyspark.sql import SparkSession
 
@@ -23,10 +24,10 @@ from cdc_assets.engine.chunks import Chunk, ChunkPlan
 from cdc_assets.lake.files import LakePath
 from cdc_assets.lake.layout import Resnapshot, SourceLake
 from cdc_assets.lake.staging import drop_attempts, staged_attempt_times, staged_bytes, staged_row_counts, write_part
-from tests.integration.kill_rerun_scenario import kills_and_reruns_end_exact, scenario_config
+from tests.integration.s3_support import bucket_keys
+from tests.integration.test_mongodb_pipeline import run_main_scenario
 from tests.lake import test_files, test_staging
-
-DATABASE = "pipe_s3"
+from tests.pipeline_support import FaultPoints
 
 
 def test_lake_paths_keep_their_contract_on_s3(s3_lake: str) -> None:
@@ -87,34 +88,16 @@ def test_staged_chunk_files_on_s3(spark: SparkSession, s3_lake: str) -> None:
     assert staged_attempt_times(staged) == {} and LakePath(staged).entries() == []
 
 
-CONFIG = """
-lake_root: {lake}
-spark:
-  master: "local[2]"
-  conf:
-    spark.driver.memory: 1g
-    spark.ui.enabled: "true"
-"""
-
-
-def test_snapshot_kills_and_stream_with_the_lake_on_s3_end_exact(
-    postgres_server: dict[str, str], spark: SparkSession, s3_lake: str, tmp_path: Path, monkeypatch
+def test_a_mongodb_collection_is_mirrored_exactly_under_writes_and_kills_with_the_lake_on_s3(
+    spark: SparkSession, mongo_server: str, database_name: str, s3_lake: str, tmp_path: Path, faults: FaultPoints
 ) -> None:
-    lake = f"{s3_lake}/pipeline"
-    config = scenario_config(CONFIG.format(lake=lake), "s3", DATABASE)
-    figures = kills_and_reruns_end_exact(postgres_server, DATABASE, config, tmp_path, spark, monkeypatch)
-    assert figures["master"] == "local[2]" and figures["batches"] >= 1
-    bucket, _, prefix = lake.removeprefix("s3a://").partition("/")
-    client = boto3.client("s3")
-    keys = [
-        item["Key"].removeprefix(f"{prefix}/")
-        for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=f"{prefix}/")
-        for item in page.get("Contents", [])
-    ]
-    for table in ("public.items", "public.pairs"):
-        assert f"s3/{table}/mirror/_delta_log/00000000000000000000.json" in keys, keys[:50]
-        assert any(k.startswith(f"s3/{table}/changelog/_delta_log/") for k in keys)
-        assert f"s3/_cdc/plans/{table}.json" in keys
-    assert "s3/_cdc/acknowledged" in keys and any(k.startswith("s3/_cdc/windows/_delta_log/") for k in keys)
-    assert not [k for k in keys if "/_cdc/spill/" in k and not k.endswith("/")]  # every batch's spill was removed
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["cdc.yaml", "offset.json", "run1.log", "run2.log", "run3.log"]
+    lake = f"{s3_lake}/mongo"
+    run_main_scenario(spark, mongo_server, database_name, tmp_path, faults, lake_root=lake)
+    keys = bucket_keys(lake)
+    paths = SourceLake(lake, "docs").table(f"{database_name}.items")
+    mirror, changelog = (path.removeprefix(f"{lake}/") for path in (paths.mirror, paths.changelog))
+    assert f"{mirror}/_delta_log/00000000000000000000.json" in keys, keys[:50]
+    assert any(k.startswith(f"{changelog}/_delta_log/") for k in keys)
+    assert f"docs/_cdc/plans/{database_name}.items.json" in keys and "docs/_cdc/acknowledged" in keys
+    assert any(k.startswith("docs/_cdc/windows/_delta_log/") for k in keys)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["commands.log"]  # no local lake folder

@@ -49,6 +49,7 @@ from pyspark.sql import functions as F
 
 from cdc_assets.config import CdcConfig, SourceConfig, parse_config
 from cdc_assets.dialect import OffsetError
+from cdc_assets.lake.files import LakePath
 from cdc_assets.lake.layout import SourceLake
 from cdc_assets.pipeline import CdcPipeline
 from cdc_assets.source import PermanentBatchError, SourceError
@@ -64,7 +65,7 @@ from tests.pipeline_support import KILLS, FaultPoints, Killed, Stream
 
 
 def source_config(
-    uri: str, lake_root: Path, database: str, chunk_size: int, max_changes: int = 500, timeout_ms: int = 3000,
+    uri: str, lake_root: Path | str, database: str, chunk_size: int, max_changes: int = 500, timeout_ms: int = 3000,
     **extra: Any,
 ) -> tuple[CdcConfig, SourceConfig]:  # fmt: skip
     raw = {
@@ -77,7 +78,7 @@ def source_config(
             "stream": {"max_changes": max_changes}, **extra,
         }],
     }  # fmt: skip
-    config = parse_config(raw, lake_root, {"CDC_TEST_URI": uri})
+    config = parse_config(raw, Path.cwd(), {"CDC_TEST_URI": uri})  # lake_root: an absolute path or a URI
     return config, config.source("docs")
 
 
@@ -184,19 +185,25 @@ def assert_exact(spark, pipeline: CdcPipeline, collection: pymongo.collection.Co
     ids = {r["_id_key"]: r["_id"] for r in mirror.select("_id_key", "_id").collect()}
     assert all(id_key(from_canonical_json(text)) == key for key, text in ids.items())
     changelog_path = pipeline.lake.table(table.qualified_name).changelog
-    if Path(changelog_path).exists():  # no event yet: no changelog
+    if LakePath(changelog_path).exists():  # no event yet: no changelog
         changelog = spark.read.format("delta").load(changelog_path)
         assert changelog.groupBy("_cdc_position", "_cdc_seq").count().where("count > 1").count() == 0
 
 
-def run_main_scenario(spark, uri: str, database: str, tmp_path: Path, faults: FaultPoints) -> None:
+def run_main_scenario(
+    spark, uri: str, database: str, tmp_path: Path, faults: FaultPoints, lake_root: Path | str | None = None
+) -> None:
+    """Every chunk snapshotted under a writer, runs killed at each of ``KILLS`` and rerun, the stream caught up: the
+    mirror is exact and no command the pipeline sent was a write. ``lake_root``: default ``tmp_path / "lake"``."""
+    lake_root = tmp_path / "lake" if lake_root is None else lake_root
     with pymongo.MongoClient(uri) as client:
         items = client[database]["items"]
         ids = [mixed_id(i) for i in range(200)]
         items.insert_many([{"_id": i, "v": n, "tags": ["a"], "long": Int64(n)} for n, i in enumerate(ids)])
         audit = tmp_path / "commands.log"
-        config, source = source_config(uri, tmp_path / "lake", database, chunk_size=50, max_changes=400)
-        dialect = MongoDialect(source, tmp_path / "lake" / "docs" / "_cdc", listeners=[CommandAudit(str(audit))])
+        config, source = source_config(uri, lake_root, database, chunk_size=50, max_changes=400)
+        control = SourceLake(config.lake_root, source.name).control
+        dialect = MongoDialect(source, control, listeners=[CommandAudit(str(audit))])
         pipeline = CdcPipeline(config, source, dialect)
         table = pipeline.prepare()[CapturedCollection(database, "items").qualified_name]
         plan = pipeline.plan(table)
