@@ -5,9 +5,9 @@ the staged chunk files, and a MongoDB source's pipeline.
 - The source's control files (``SourceLake``: plans, waiting markers, acknowledged position, resnapshot markers).
 - Staged chunk files written by pyarrow to S3 and read by Spark through s3a, with the checks of
   ``tests/lake/test_staging.py`` that take any folder.
-- A MongoDB collection mirrored exactly under writes and run kills (the scenario of
-  ``test_mongodb_pipeline.test_mongodb_collection_mirrored_exactly_under_writes_and_kills``) with its lake on S3:
-  its Delta tables, window log, plans and staged files in the bucket.
+- A MongoDB collection (``_id``s of every kind) snapshotted under a writer with its lake on S3, one snapshot run
+  killed with its rows staged and one stream batch killed after its lake commit, then caught up: the mirror is exact,
+  its Delta tables, window log and plans are in the bucket, and no local lake folder was made.
 
 The end-to-end scenario on S3 (a snapshot under a concurrent writer, runs killed and run again, the stream to the end,
 every mirror exact) runs on a Spark standalone cluster: ``tests/integration/test_spark_cluster.py``.
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pymongo
 import pytest
 from pyspark.sql import SparkSession
 
@@ -24,10 +25,12 @@ from cdc_assets.engine.chunks import Chunk, ChunkPlan
 from cdc_assets.lake.files import LakePath
 from cdc_assets.lake.layout import Resnapshot, SourceLake
 from cdc_assets.lake.staging import drop_attempts, staged_attempt_times, staged_bytes, staged_row_counts, write_part
+from cdc_assets.pipeline import CdcPipeline
+from cdc_assets.sources.mongodb.dialect import MongoDialect
 from tests.integration.s3_support import bucket_keys
-from tests.integration.test_mongodb_pipeline import run_main_scenario
+from tests.integration.test_mongodb_pipeline import BackgroundWriter, Writer, assert_exact, mixed_id, source_config
 from tests.lake import test_files, test_staging
-from tests.pipeline_support import FaultPoints
+from tests.pipeline_support import FaultPoints, Killed, Stream
 
 
 def test_lake_paths_keep_their_contract_on_s3(s3_lake: str) -> None:
@@ -92,12 +95,34 @@ def test_a_mongodb_collection_is_mirrored_exactly_under_writes_and_kills_with_th
     spark: SparkSession, mongo_server: str, database_name: str, s3_lake: str, tmp_path: Path, faults: FaultPoints
 ) -> None:
     lake = f"{s3_lake}/mongo"
-    run_main_scenario(spark, mongo_server, database_name, tmp_path, faults, lake_root=lake)
+    with pymongo.MongoClient(mongo_server) as client:
+        items = client[database_name]["items"]
+        ids = [mixed_id(i) for i in range(120)]
+        items.insert_many([{"_id": key, "v": n, "tags": ["a"]} for n, key in enumerate(ids)])
+        config, source = source_config(mongo_server, lake, database_name, chunk_size=40, max_changes=100)
+        pipeline = CdcPipeline(config, source, MongoDialect(source, SourceLake(lake, source.name).control))
+        table = pipeline.prepare()[f"{database_name}.items"]
+        chunks = [chunk.index for chunk in pipeline.plan(table).chunks]
+        assert len(chunks) >= 2
+        stream = Stream(pipeline, spark)
+        writer = Writer(items, ids, seed=11)
+        with BackgroundWriter(writer):
+            faults.armed.add("snapshot.before_window_record")
+            with pytest.raises(Killed):  # killed with its chunks' rows staged on S3
+                pipeline.snapshot(spark, table, chunks, "s1")
+            pipeline.snapshot(spark, table, chunks, "s2")
+            faults.armed.add("stream.after_lake_commit")
+            while "stream.after_lake_commit" in faults.armed:
+                stream.batch()  # killed after its lake commit, its offset not recorded
+        assert writer.writes > 10 and stream.recorded is None
+        stream.catch_up()
+        assert_exact(spark, pipeline, items)
     keys = bucket_keys(lake)
-    paths = SourceLake(lake, "docs").table(f"{database_name}.items")
+    paths = pipeline.lake.table(table.qualified_name)
     mirror, changelog = (path.removeprefix(f"{lake}/") for path in (paths.mirror, paths.changelog))
     assert f"{mirror}/_delta_log/00000000000000000000.json" in keys, keys[:50]
     assert any(k.startswith(f"{changelog}/_delta_log/") for k in keys)
-    assert f"docs/_cdc/plans/{database_name}.items.json" in keys and "docs/_cdc/acknowledged" in keys
+    assert f"docs/_cdc/plans/{table.qualified_name}.json" in keys and "docs/_cdc/acknowledged" in keys
     assert any(k.startswith("docs/_cdc/windows/_delta_log/") for k in keys)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["commands.log"]  # no local lake folder
+    assert not [k for k in keys if "/_cdc/spill/" in k and not k.endswith("/")]  # every batch's spill was removed
+    assert list(tmp_path.iterdir()) == []  # no local lake folder

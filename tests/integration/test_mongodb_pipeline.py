@@ -190,20 +190,14 @@ def assert_exact(spark, pipeline: CdcPipeline, collection: pymongo.collection.Co
         assert changelog.groupBy("_cdc_position", "_cdc_seq").count().where("count > 1").count() == 0
 
 
-def run_main_scenario(
-    spark, uri: str, database: str, tmp_path: Path, faults: FaultPoints, lake_root: Path | str | None = None
-) -> None:
-    """Every chunk snapshotted under a writer, runs killed at each of ``KILLS`` and rerun, the stream caught up: the
-    mirror is exact and no command the pipeline sent was a write. ``lake_root``: default ``tmp_path / "lake"``."""
-    lake_root = tmp_path / "lake" if lake_root is None else lake_root
+def run_main_scenario(spark, uri: str, database: str, tmp_path: Path, faults: FaultPoints) -> None:
     with pymongo.MongoClient(uri) as client:
         items = client[database]["items"]
         ids = [mixed_id(i) for i in range(200)]
         items.insert_many([{"_id": i, "v": n, "tags": ["a"], "long": Int64(n)} for n, i in enumerate(ids)])
         audit = tmp_path / "commands.log"
-        config, source = source_config(uri, lake_root, database, chunk_size=50, max_changes=400)
-        control = SourceLake(config.lake_root, source.name).control
-        dialect = MongoDialect(source, control, listeners=[CommandAudit(str(audit))])
+        config, source = source_config(uri, tmp_path / "lake", database, chunk_size=50, max_changes=400)
+        dialect = MongoDialect(source, tmp_path / "lake" / "docs" / "_cdc", listeners=[CommandAudit(str(audit))])
         pipeline = CdcPipeline(config, source, dialect)
         table = pipeline.prepare()[CapturedCollection(database, "items").qualified_name]
         plan = pipeline.plan(table)
