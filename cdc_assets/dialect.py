@@ -56,6 +56,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from cdc_assets.engine.chunks import Chunk, ChunkPlan
 from cdc_assets.engine.row_filter import RowFilter
+from cdc_assets.engine.windows import WindowStart
 from cdc_assets.lake.files import LakePath
 from cdc_assets.lake.settled import SettledRule
 from cdc_assets.source import SkippedTableLike, SourceLag, TableT
@@ -117,7 +118,13 @@ class WindowSession(Protocol[TableT]):
     def high_watermark(self) -> int: ...
 
     def stage_chunks(
-        self, spark: SparkSession, table: TableT, chunks: Sequence[Chunk], staging_path: str, attempt: str
+        self,
+        spark: SparkSession,
+        table: TableT,
+        chunks: Sequence[Chunk],
+        staging_path: str,
+        attempt: str,
+        start: WindowStart,
     ) -> dict[int, int]: ...
 
     def stage_rows_by_key(self, table: TableT, keys: Sequence[tuple], staging_path: str, attempt: str) -> int: ...

@@ -83,6 +83,7 @@ from cdc_assets.engine.windows import (
     ROWS_CHUNK,
     ChunkWindow,
     WindowEvent,
+    WindowStart,
     closable,
     open_windows,
     read_before,
@@ -248,8 +249,8 @@ class CdcPipeline(Generic[TableT]):
         staging_path = self.lake.table(table.qualified_name).staging
         with self.dialect.window() as session:
 
-            def read() -> dict[int, int]:
-                return session.stage_chunks(spark, table, chunks, staging_path, attempt)
+            def read(start: WindowStart) -> dict[int, int]:
+                return session.stage_chunks(spark, table, chunks, staging_path, attempt, start)
 
             windows = run_window(spark, self.lake, table.qualified_name, [c.index for c in chunks], attempt, session,
                                  read)  # fmt: skip
@@ -322,7 +323,7 @@ class CdcPipeline(Generic[TableT]):
         staging_path = self.lake.table(name).staging
         with self.dialect.window() as session:
 
-            def read() -> dict[int, int]:
+            def read(start: WindowStart) -> dict[int, int]:
                 return {ROWS_CHUNK: session.stage_rows_matching(table, row_filter, staging_path, attempt)}
 
             windows = run_window(spark, self.lake, name, [ROWS_CHUNK], attempt, session, read)
@@ -553,7 +554,7 @@ class CdcPipeline(Generic[TableT]):
             with self.dialect.window() as session:
                 found = keys
 
-                def read(session=session, table=table, found=found, staging=paths.staging, attempt=attempt):
+                def read(start, session=session, table=table, found=found, staging=paths.staging, attempt=attempt):
                     return {FILL_CHUNK: session.stage_rows_by_key(table, found, staging, attempt)}
 
                 run_window(spark, self.lake, name, [FILL_CHUNK], attempt, session, read)

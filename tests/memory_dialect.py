@@ -42,7 +42,7 @@ from pyspark.sql import types as T
 from cdc_assets.dialect import ChangeBatch, Offset, OffsetError, TableChanges
 from cdc_assets.engine.chunks import Chunk, ChunkPlan, chunks_from_boundaries
 from cdc_assets.engine.row_filter import FilterTerm, RowFilter, RowFilterError, parse_row_filter
-from cdc_assets.engine.windows import FILL_CHUNK, ROWS_CHUNK
+from cdc_assets.engine.windows import FILL_CHUNK, ROWS_CHUNK, WindowStart
 from cdc_assets.lake import staging
 from cdc_assets.lake.digest import mirror_digest, mirror_part, text_digest, text_part
 from cdc_assets.lake.files import LakePath
@@ -210,14 +210,22 @@ class MemoryWindow:
         return self.database.position
 
     def stage_chunks(
-        self, spark: SparkSession, table: MemoryTable, chunks: Sequence[Chunk], staging_path: str, attempt: str
-    ) -> dict[int, int]:
+        self, spark: SparkSession, table: MemoryTable, chunks: Sequence[Chunk], staging_path: str, attempt: str,
+        start: WindowStart,
+    ) -> dict[int, int]:  # fmt: skip
         counts = {}
         for chunk in chunks:
             rows = [r for k, r in sorted(self.database.snapshot(table.qualified_name).items())
                     if _in_chunk(table, k, chunk)]  # fmt: skip
             counts[chunk.index] = staging.write_part(
-                staging_path, attempt, chunk.index, 0, [_arrow_rows(table, rows)], table.arrow_schema
+                staging_path,
+                attempt,
+                chunk.index,
+                0,
+                [_arrow_rows(table, rows)],
+                table.arrow_schema,
+                start,
+                table.key_columns,
             )
             if self.database.during_read is not None:
                 self.database.during_read(table.qualified_name, chunk.index)

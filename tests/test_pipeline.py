@@ -28,6 +28,7 @@ from delta.tables import DeltaTable
 from pyspark.sql import functions as F
 
 from cdc_assets.config import CdcConfig, PostgresConnection, SourceConfig, SparkConfig, StreamConfig
+from cdc_assets.lake.adopt import ADOPTED_PREFIX
 from cdc_assets.pipeline import CdcPipeline
 from tests.memory_dialect import MemoryDatabase, MemoryDialect, MemorySettledRule, MemoryTable
 from tests.pipeline_support import FaultPoints, Killed, Stream
@@ -150,6 +151,13 @@ def assert_exact(spark, pipeline: CdcPipeline, database: MemoryDatabase) -> None
         assert twice == 0, f"{table.qualified_name}: changes twice in the changelog"
 
 
+def landed_chunks(spark, mirror: str) -> set[int]:
+    """The chunks whose staged files a mirror took whole (``cdc_assets.lake.adopt``), from its current files."""
+    files = spark.read.format("delta").load(mirror).inputFiles()
+    names = [f.rsplit("/", 1)[-1] for f in files if f.rsplit("/", 1)[-1].startswith(ADOPTED_PREFIX)]
+    return {int(name.split("-chunk-")[1].split("-")[0]) for name in names}
+
+
 def run_scenario(spark, tmp_path: Path, faults: FaultPoints, seed: int) -> tuple[CdcPipeline, MemoryDatabase]:
     database = seeded_database()
     config, source = config_for(tmp_path / "lake", max_changes=30)
@@ -207,6 +215,40 @@ def test_generic_pipeline_mirrors_an_in_memory_source_exactly_through_kills(spar
     assert sorted(failing) == sorted({chunks[0], chunks[-1]}), failing
     assert "tampered" in (failing[chunks[0]].first_difference or "")
     assert "mirror=absent" in (failing[chunks[-1]].first_difference or "")
+
+
+def test_quiet_chunks_land_whole_and_take_every_later_change(spark, tmp_path: Path, faults) -> None:
+    """A chunk no change touched while it was read, into a key range the mirror holds no row of, is landed as its
+    staged files (``cdc_assets.lake.adopt``; its rows carry the window's start position, not its high watermark);
+    a chunk with a change during its read is appended as before. The first landing dies between placing the files and
+    its commit; the rerun lands them. Then updates, key changes, deletes and re-inserts of the landed keys stream in:
+    the mirror equals the source."""
+    database = seeded_database()
+    database.forgotten = database.position  # the stream starts after the seed, as a slot made after the data
+    config, source = config_for(tmp_path / "lake", max_changes=30)
+    pipeline = CdcPipeline(config, source, MemoryDialect(database, chunk_size=40))
+    items = pipeline.prepare()[ITEMS.qualified_name]
+    stream = Stream(pipeline, spark)
+
+    def during_read(table: str, chunk: int) -> None:
+        if chunk == 1:  # a change of a key chunk 1's read saw, before the high watermark
+            database.commit(("public.items", "update", (45,), {"id": 45, "name": "during", "qty": 1}))
+
+    database.during_read = during_read
+    chunks = list(range(len(pipeline.plan(items).chunks)))
+    assert len(chunks) == 3
+    pipeline.snapshot(spark, items, chunks, "s0")
+    database.during_read = None
+    faults.armed.add("stream.after_adopted_files")
+    stream.catch_up()
+    assert faults.fired == ["stream.after_adopted_files"]
+    mirror = pipeline.lake.table(ITEMS.qualified_name).mirror
+    assert landed_chunks(spark, mirror) == {0, 2}
+    positions = spark.read.format("delta").load(mirror).where("_cdc_op = 'r'").groupBy("_cdc_position").count()
+    assert positions.count() == 2  # landed rows at the window's start, appended ones at its high watermark
+    Writer(database, seed=3).write(60)
+    stream.catch_up()
+    assert mirror_rows(spark, pipeline, ITEMS) == database.snapshot(ITEMS.qualified_name)
 
 
 def checked(pipeline: CdcPipeline, spark, table: MemoryTable, chunks: list[int]):

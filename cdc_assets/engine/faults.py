@@ -5,11 +5,13 @@ Contract: ``fault_point(name)`` does nothing unless the environment variable ``C
 exactly like a lost machine. ``CDC_FAULT_PROBABILITY`` (default 1) makes a listed point fire only with that
 probability, drawn from ``random.Random(CDC_FAULT_SEED)``. Production never sets these variables.
 
-Points: ``snapshot.before_window_record`` (rows staged, window not recorded), ``stream.after_changelog``
-(changelogs appended, mirrors not merged), ``stream.after_merge`` (a table's mirror merged, its fill window of
-unknown values not opened, later tables not merged), ``stream.after_lake_commit`` (lake written, offset not recorded),
-``stream.after_offset_record`` (offset recorded, slot not advanced), ``stream.during_maintenance`` (lake upkeep
-between batches: a table's finished staged attempts dropped, its tables not yet compacted or vacuumed).
+Points: ``snapshot.before_window_record`` (rows staged, window not recorded), ``stream.after_changelog`` (changelogs
+appended, mirrors not merged), ``stream.after_merge`` (a table's mirror merged, its fill window of unknown values
+not opened, later tables not merged), ``stream.after_lake_commit`` (lake written, offset not recorded),
+``stream.after_offset_record`` (offset recorded, slot not advanced), ``stream.after_adopted_files`` (a
+reconciliation placed staged chunk files in a mirror's folder, its commit adding them not written:
+``cdc_assets.lake.adopt``), ``stream.during_maintenance`` (lake upkeep between batches: a table's finished staged
+attempts dropped, its tables not yet compacted or vacuumed).
 
 Size faults raise instead of killing: ``size_fault(name, size)`` raises ``InjectedFault`` when ``CDC_FAULTS`` lists
 ``name=N`` and ``size`` exceeds ``N`` (always, no probability). Point: ``stream.batch_over`` (a stream batch holding
@@ -29,6 +31,7 @@ POINTS = (
     "stream.after_lake_commit",
     "stream.after_offset_record",
     "stream.during_maintenance",
+    "stream.after_adopted_files",
 )
 SIZE_POINTS = ("stream.batch_over",)
 _draw = random.Random(os.environ.get("CDC_FAULT_SEED", "0"))

@@ -34,6 +34,10 @@ Contract:
   not in the changelog, so their reconciliation could keep a document those changes replaced or deleted; they are
   never applied (a window read after ``since`` supersedes each). ``resnapshot_done(events, table, chunks, since)``:
   every one of ``chunks`` has a reconciled window of ``table`` read at or after ``since``: the table is whole again.
+- ``WindowStart``: what the reads of a window know of it when they start: the position taken just before the low
+  watermark (``lw_lsn`` of its windows) and the time it was taken. A chunk's staged files carry them as the mirror's
+  row columns, so that a chunk the mirror can take whole is landed without rewriting its rows
+  (``cdc_assets.lake.adopt``).
 """
 
 from __future__ import annotations
@@ -57,6 +61,12 @@ class ChunkWindow:
     low_watermark: str  # the source's text of it (opaque to the engine)
     hw: int
     rows: int
+    at: datetime
+
+
+@dataclass(frozen=True)
+class WindowStart:
+    position: int
     at: datetime
 
 

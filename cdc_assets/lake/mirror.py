@@ -85,13 +85,20 @@ from cdc_assets.engine.chunks import Chunk, chunk_partition_key
 from cdc_assets.engine.key_chains import chain_roots
 from cdc_assets.engine.windows import FILL_CHUNK, ROWS_CHUNK, ChunkWindow, by_key
 from cdc_assets.lake import staging
+from cdc_assets.lake.adopt import adopt_windows
 from cdc_assets.lake.column_mapping import MODE as MAPPING_MODE
 from cdc_assets.lake.column_mapping import column_mapping_properties, enable_column_mapping, refused_names
 from cdc_assets.lake.delta_tables import clear_interrupted_create, table_or_none
 from cdc_assets.lake.retry import commit_with_retry
 from cdc_assets.lake.schema import UNREPRESENTABLE_COLUMN
 from cdc_assets.lake.settled import SettledRule
-from cdc_assets.lake.statistics import STATS_COLUMNS, ensure_statistics_columns, property_value, statistics_columns
+from cdc_assets.lake.statistics import (
+    STATS_COLUMNS,
+    created_with_statistics_columns,
+    ensure_statistics_columns,
+    property_value,
+    statistics_columns,
+)
 
 META_FIELDS = [
     T.StructField("_cdc_op", T.StringType()),
@@ -136,6 +143,8 @@ def ensure_mirror(
         for name, value in column_mapping_properties(schema).items():  # column names Delta refuses by default
             builder = builder.property(name, value)
         builder.execute()
+        if key_columns:
+            created_with_statistics_columns(path, statistics_columns(schema, key_columns))
 
     table = table_or_none(spark, path)
     if table is None:
@@ -524,7 +533,7 @@ def fill_assignments(names: Sequence[str]) -> dict[str, Column]:
 # Reconciliation
 
 
-STAGING_ONLY_COLUMNS = frozenset({"_cdc_chunk", "_cdc_attempt", UNREPRESENTABLE_COLUMN})
+STAGING_ONLY_COLUMNS = frozenset({"_cdc_chunk", "_cdc_attempt", UNREPRESENTABLE_COLUMN, *staging.ROW_COLUMNS})
 
 
 class StagedRowsMismatch(RuntimeError):
@@ -722,11 +731,13 @@ def _reconcile_windows(
     else:
         kept = staged_rows(staged_aliased, "u")
 
-    # mirror rows inside a chunk's range that the read did not see and no unsettled transaction touched
+    # mirror rows inside a chunk's range that the read did not see and no unsettled transaction touched (none in a
+    # mirror without files: the first snapshot's, whose range conditions are not even built)
+    mirror_empty = not mirror.toDF().inputFiles()
     in_range = F.lit(None).cast("int")
     any_range = F.lit(False)
     for w in reversed(windows):
-        if w.attempt in truncated or read_by_key:
+        if w.attempt in truncated or read_by_key or mirror_empty:
             continue
         condition = _range_condition(chunks[w.chunk], key_columns, key_types)
         in_range = F.when(condition, F.lit(w.chunk)).otherwise(in_range)
@@ -735,7 +746,7 @@ def _reconcile_windows(
     # reconciliation reads the files that can hold its range instead of the whole mirror
     target_in_ranges = F.lit(read_by_key)
     for w in windows:
-        if w.attempt not in truncated and not read_by_key:
+        if w.attempt not in truncated and not read_by_key and not mirror_empty:
             target_in_ranges = target_in_ranges | _range_condition(chunks[w.chunk], key_columns, key_types, "t")
     existing = mirror.toDF().where(any_range)
     existing = existing.select(*[F.col(q(k)) for k in key_columns], in_range.alias("_w_chunk"))
@@ -764,7 +775,7 @@ def _reconcile_windows(
     try:
         # a chunk whose range the mirror holds no row of (the usual first snapshot) is an append: nothing to match,
         # update or delete there, so its kept rows are inserted without a join (a MERGE would give the same rows)
-        occupied = {r["_w_chunk"] for r in existing.select("_w_chunk").distinct().collect()}
+        occupied = set() if mirror_empty else {r["_w_chunk"] for r in existing.select("_w_chunk").distinct().collect()}
         if any_touched:
             counts = {
                 (r["_w_chunk"], r["_kind"]): r["count"] for r in source.groupBy("_w_chunk", "_kind").count().collect()
@@ -779,9 +790,15 @@ def _reconcile_windows(
             if occupied:
                 counts |= {(r["_w_chunk"], "d"): r["count"] for r in vanished.groupBy("_w_chunk").count().collect()}
         empty = [] if read_by_key else sorted({w.chunk for w in windows if w.attempt not in truncated} - occupied)
-        if empty and any(counts.get((c, "u"), 0) for c in empty):
+        # a chunk whose every staged row is kept lands its staged files whole when they are mirror files already
+        # (``cdc_assets.lake.adopt``); the others' kept rows are appended
+        whole = [w for w in windows if w.chunk in empty and w.rows and counts.get((w.chunk, "u"), 0) == w.rows]
+        landed = {w.chunk for w in adopt_windows(spark, mirror_path, staging_path, whole, mirror.toDF().schema.fields,
+                                                 key_columns)}  # fmt: skip
+        appending = [c for c in empty if c not in landed]
+        if appending and any(counts.get((c, "u"), 0) for c in appending):
             mirror_fields = mirror.toDF().schema.fields
-            appended = source.where(F.col("_w_chunk").isin(empty) & (F.col("_kind") == "u"))
+            appended = source.where(F.col("_w_chunk").isin(appending) & (F.col("_kind") == "u"))
             appended = appended.withColumn("_cdc_unknown", F.lit(None)).select(
                 *[F.col(q(f.name)).cast(f.dataType).alias(f.name) for f in mirror_fields]
             )

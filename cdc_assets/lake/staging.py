@@ -1,8 +1,13 @@
 """Staged chunk rows: Parquet files that the snapshot's read tasks write themselves, one per sub-range.
 
 Contract (``<table>/staged/_cdc_attempt=<attempt>/chunk-<n>-part-<k>.parquet``):
-- ``write_part(folder, attempt, chunk, part, tables, schema)`` runs inside a read task (a Spark Python worker). It
-  writes one sub-range's typed rows with pyarrow, adds ``_cdc_chunk``, and returns the number of rows. An attempt
+- ``write_part(folder, attempt, chunk, part, tables, schema, start, statistics)`` runs inside a read task (a Spark
+  Python worker). It writes one sub-range's typed rows with pyarrow, adds ``_cdc_chunk``, and returns the number of
+  rows. A chunk's read passes its window's ``start`` (``cdc_assets.engine.windows.WindowStart``): the file then also
+  holds the mirror's row columns (``ROW_FIELDS``: ``_cdc_op`` ``r``, ``_cdc_position`` the start's position,
+  ``_cdc_ts`` its time, ``_cdc_unknown`` NULL), before ``_cdc_chunk``, and Parquet statistics on ``_cdc_position``
+  and the ``statistics`` columns (the key): such a file is a mirror file already, which the reconciliation can land
+  whole (``cdc_assets.lake.adopt``). A by-key read (fill, rows window) passes none. An attempt
   id is letters, digits, ``.``, ``_`` and ``-`` (not first ``.``); another raises ``ValueError``. The file is
   written under a hidden temporary name (Spark and the counts skip names that start with ``.``) and renamed into
   place when complete, so a reader never sees a partial file. The name depends only on (attempt, chunk, part): a
@@ -12,10 +17,11 @@ Contract (``<table>/staged/_cdc_attempt=<attempt>/chunk-<n>-part-<k>.parquet``):
   calling process (no Spark job).
 - ``staged_bytes(folder, attempts)``: the uncompressed bytes of the attempts' rows, from the files' footers.
 - ``read_staged(spark, folder, attempts, fields)``: the rows of ``attempts`` as one frame, with ``_cdc_attempt``
-  (a string) from the folder name as a partition column. The attempts' schemas are merged: an attempt read before
-  a column was added has NULL in it. When none of the attempts has a file, an empty frame of ``fields`` (the
-  caller's description of the table's columns, ``cdc_assets.lake.schema``) with ``_cdc_chunk`` and
-  ``_cdc_attempt``.
+  (a string) from the folder name as a partition column (and the row columns of the files that have them: callers
+  select the source columns). The attempts' schemas are merged: an attempt read before a column was added has NULL
+  in it. When none of the attempts has a file, an empty frame of ``fields`` (the caller's description of the
+  table's columns, ``cdc_assets.lake.schema``) with ``_cdc_chunk`` and ``_cdc_attempt``.
+- ``part_files(folder, attempt)``: (chunk, file) of each complete staged file of an attempt.
 - ``staged_attempt_times(folder)``: each staged attempt with the modification time (epoch seconds) of its newest
   file.
 - ``drop_attempts(folder, attempts)``: deletes the attempts' folders and returns the number of files deleted.
@@ -37,6 +43,7 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Iterable, Iterator, Sequence
+from datetime import UTC, datetime, timedelta
 
 import numpy as np
 import pyarrow as pa
@@ -44,6 +51,7 @@ import pyarrow.parquet as pq
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import types as T
 
+from cdc_assets.engine.windows import WindowStart
 from cdc_assets.lake.files import LakePath
 from cdc_assets.lake.spark import session_conf
 
@@ -65,10 +73,34 @@ def _attempt_folder(folder: str | os.PathLike[str] | LakePath, attempt: str) -> 
     return LakePath(folder) / f"{ATTEMPT_FOLDER_PREFIX}{attempt}"
 
 
-def staged_schema(schema: pa.Schema) -> pa.Schema:
-    """The schema of a staged file: the source columns (``schema``) with ``_cdc_chunk``. The attempt is the
-    folder's name, not a column of the file: Spark reads it as a partition value, a constant per file."""
-    return schema.append(pa.field(CHUNK_COLUMN, pa.int32()))
+# the mirror's own columns of a row (``cdc_assets.lake.mirror.META_FIELDS``, as Arrow)
+ROW_FIELDS = (
+    pa.field("_cdc_op", pa.string()),
+    pa.field("_cdc_position", pa.int64()),
+    pa.field("_cdc_ts", pa.timestamp("us", tz="UTC")),
+    pa.field("_cdc_unknown", pa.list_(pa.string())),
+)
+ROW_COLUMNS = tuple(f.name for f in ROW_FIELDS)
+EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+
+
+def staged_schema(schema: pa.Schema, with_row_columns: bool = False) -> pa.Schema:
+    """The schema of a staged file: the source columns (``schema``), the mirror's row columns when asked, and
+    ``_cdc_chunk``. The attempt is the folder's name, not a column of the file: Spark reads it as a partition value,
+    a constant per file."""
+    fields = [*schema, *(ROW_FIELDS if with_row_columns else ()), pa.field(CHUNK_COLUMN, pa.int32())]
+    return pa.schema(fields)
+
+
+def _row_columns(count: int, start: WindowStart) -> list[pa.Array]:
+    at = start.at.astimezone(UTC)
+    micros = (at - EPOCH) // timedelta(microseconds=1)
+    return [
+        pa.array(np.full(count, "r", dtype=object), pa.string()),
+        pa.array(np.full(count, start.position, dtype=np.int64)),
+        pa.array(np.full(count, micros, dtype=np.int64)).cast(ROW_FIELDS[2].type),
+        pa.nulls(count, ROW_FIELDS[3].type),
+    ]
 
 
 def _writable(table: pa.Table) -> pa.Table:
@@ -89,22 +121,31 @@ def write_part(
     part: int,
     tables: Iterable[pa.Table],
     schema: pa.Schema,
+    start: WindowStart | None = None,
+    statistics: Sequence[str] = (),
 ) -> int:
     """Write one sub-range's rows (``tables``, each of ``schema``) as one staged file; the number of rows."""
     target = _attempt_folder(folder, attempt) / f"chunk-{chunk}-part-{part}.parquet"
+    file_schema = staged_schema(schema, with_row_columns=start is not None)
+    statistics = [n for n in (*statistics, "_cdc_position") if n in file_schema.names] if start is not None else False
     rows = 0
     # no dictionaries: Spark read dictionary-encoded staged files into the mirror's write more slowly (10M rows,
     # back to back: reconciliation 36.4 and 39.6 s without them, 43.4 and 44.4 s with them)
     with (
         target.open_atomic_output() as stream,
-        pq.ParquetWriter(stream, staged_schema(schema), write_statistics=False, use_dictionary=False) as writer,
+        pq.ParquetWriter(stream, file_schema, write_statistics=statistics, use_dictionary=False) as writer,
     ):
         for table in tables:
             count = table.num_rows
-            table = _writable(table).append_column(CHUNK_COLUMN, pa.array(np.full(count, chunk, dtype=np.int32)))
-            writer.write_table(table)
+            columns = [*_writable(table).columns, *(_row_columns(count, start) if start is not None else ())]
+            columns.append(pa.array(np.full(count, chunk, dtype=np.int32)))
+            writer.write_table(pa.Table.from_arrays(columns, schema=file_schema))
             rows += count
     return rows
+
+
+def part_files(folder: str | os.PathLike[str] | LakePath, attempt: str) -> list[tuple[int, LakePath]]:
+    return list(_part_files(_attempt_folder(folder, attempt)))
 
 
 def _part_files(folder: LakePath) -> Iterator[tuple[int, LakePath]]:

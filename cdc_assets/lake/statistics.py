@@ -59,6 +59,12 @@ def property_value(columns: Sequence[str]) -> str:
     return ",".join(_quoted(c) for c in columns)
 
 
+def created_with_statistics_columns(path: str, columns: Sequence[str]) -> None:
+    """Note that the table at ``path`` was just created with ``columns`` as its statistics columns (no read of its
+    properties by ``ensure_statistics_columns`` then: 2.9 s on a cold driver)."""
+    _ENSURED[path] = property_value(columns)
+
+
 def ensure_statistics_columns(spark: SparkSession, path: str, columns: Sequence[str]) -> bool:
     """Set the table's statistics columns to ``columns`` unless they are so already; whether it committed."""
     from delta.tables import DeltaTable

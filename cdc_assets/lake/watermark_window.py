@@ -4,8 +4,9 @@ Contract: ``run_window(spark, lake, table, chunks, attempt, watermarks, read)``:
 1. ``watermarks.low_watermark()``: the source's position just before it (for diagnosis, and for the re-snapshot
    rule after lost history: ``engine.windows.read_before``) and the low watermark's text (opaque here; the source's
    ``SettledRule`` reads it, ``cdc_assets.lake.settled``). Every read of step 2 starts after both.
-2. ``read()`` stages the rows of ``chunks`` under ``attempt`` (``cdc_assets.lake.staging``) and returns the rows
-   staged per chunk; it returns when every read has finished.
+2. ``read(start)`` stages the rows of ``chunks`` under ``attempt`` (``cdc_assets.lake.staging``) and returns the
+   rows staged per chunk; it returns when every read has finished. ``start`` (``WindowStart``: the position of step 1
+   and the time it was taken) is what a chunk's staged rows carry as the mirror's row columns.
 3. ``watermarks.high_watermark()``: a position of the change stream taken after every read finished.
 4. Fault point ``snapshot.before_window_record``, then one ``staged`` event per chunk in the window log (a file of
    the run's own, ``cdc_assets.lake.windows.record_staged``: snapshot runs run in parallel, in no pool), and each
@@ -25,7 +26,7 @@ from typing import Protocol
 from pyspark.sql import SparkSession
 
 from cdc_assets.engine.faults import fault_point
-from cdc_assets.engine.windows import ChunkWindow
+from cdc_assets.engine.windows import ChunkWindow, WindowStart
 from cdc_assets.lake import windows as window_log
 from cdc_assets.lake.layout import SourceLake
 
@@ -45,10 +46,10 @@ def run_window(
     chunks: Sequence[int],
     attempt: str,
     watermarks: Watermarks,
-    read: Callable[[], dict[int, int]],
+    read: Callable[[WindowStart], dict[int, int]],
 ) -> list[ChunkWindow]:
     low_position, low_watermark = watermarks.low_watermark()
-    counts = read()
+    counts = read(WindowStart(low_position, datetime.now(UTC)))
     high_watermark = watermarks.high_watermark()
     fault_point("snapshot.before_window_record")
     now = datetime.now(UTC)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from cdc_assets.engine.windows import open_windows
+from cdc_assets.engine.windows import WindowStart, open_windows
 from cdc_assets.lake import windows as window_log
 from cdc_assets.lake.layout import SourceLake
 from cdc_assets.lake.watermark_window import run_window
@@ -32,8 +32,9 @@ def test_the_read_runs_between_the_watermarks_and_the_windows_are_recorded_after
     lake = SourceLake(tmp_path, "fake")
     source = ListSource()
 
-    def read() -> dict[int, int]:
+    def read(start: WindowStart) -> dict[int, int]:
         source.steps.append("read")
+        assert start.position == 2  # the position taken with the low watermark
         assert window_log.read_events(spark, lake.windows) == []  # nothing recorded before the high watermark
         source.log += ["update 1", "insert 3"]  # concurrent changes during the read
         return {4: 120, 5: 0}

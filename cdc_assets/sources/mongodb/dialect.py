@@ -64,11 +64,12 @@ from cdc_assets.config import MongoConnection, MongoOptions, SourceConfig
 from cdc_assets.dialect import ChangeBatch, Offset, OffsetError, TableChanges
 from cdc_assets.engine.chunks import Chunk, ChunkPlan
 from cdc_assets.engine.row_filter import RowFilter, parse_row_filter
-from cdc_assets.engine.windows import FILL_CHUNK, ROWS_CHUNK
+from cdc_assets.engine.windows import FILL_CHUNK, ROWS_CHUNK, WindowStart
 from cdc_assets.lake import staging
 from cdc_assets.lake.files import LakePath
 from cdc_assets.lake.layout import SourceLake
 from cdc_assets.lake.schema import spark_fields
+from cdc_assets.lake.tasks import rows_in_tasks
 from cdc_assets.source import CapturedTablesChanged, PermanentBatchError, SourceError, SourceLag
 from cdc_assets.sources.mongodb import catalog, filter_query, history, snapshot, stream
 from cdc_assets.sources.mongodb import client as clients
@@ -121,15 +122,16 @@ class MongoWindow:
         return self.dialect.current_position()
 
     def stage_chunks(
-        self, spark: SparkSession, table: CapturedCollection, chunks: Sequence[Chunk], staging_path: str, attempt: str
-    ) -> dict[int, int]:
+        self, spark: SparkSession, table: CapturedCollection, chunks: Sequence[Chunk], staging_path: str, attempt: str,
+        start: WindowStart,
+    ) -> dict[int, int]:  # fmt: skip
         dialect = self.dialect
         ranges = [(c.index, None if c.lo is None else c.lo[0], None if c.hi is None else c.hi[0]) for c in chunks]
         stager = snapshot.chunk_stager(
             dialect.connection, table, staging_path, attempt, self.low, dialect.capabilities.cluster_time,
-            dialect.listeners,
+            dialect.listeners, start,
         )  # fmt: skip
-        frame = spark.createDataFrame(ranges, "chunk int, lo string, hi string").repartition(len(ranges))
+        frame = rows_in_tasks(spark, ranges, (("chunk", "int"), ("lo", "string"), ("hi", "string")))
         counts = dict.fromkeys((c.index for c in chunks), 0)
         try:
             for row in frame.mapInArrow(stager, "chunk int, rows long").collect():

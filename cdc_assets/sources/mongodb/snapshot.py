@@ -38,6 +38,7 @@ from pymongo.errors import OperationFailure, ProtocolError
 
 from cdc_assets.config import MongoConnection
 from cdc_assets.engine.chunks import ChunkPlan, chunks_from_boundaries
+from cdc_assets.engine.windows import WindowStart
 from cdc_assets.lake import staging
 from cdc_assets.sources.mongodb import client as clients
 from cdc_assets.sources.mongodb.bson_order import sort_key
@@ -158,7 +159,7 @@ def rows_by_key(
 
 def chunk_stager(
     connection: MongoConnection, table: CapturedCollection, staging_path: str, attempt: str, low_watermark: int,
-    cluster_time: bool, listeners: Sequence[monitoring.CommandListener],
+    cluster_time: bool, listeners: Sequence[monitoring.CommandListener], start: WindowStart,
 ):  # fmt: skip
     def read(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         client = clients.connect(connection, listeners)
@@ -170,7 +171,10 @@ def chunk_stager(
                         tables = read_chunk(
                             client, table, item["lo"], item["hi"], low_watermark, cluster_time, batch_size
                         )
-                        return staging.write_part(staging_path, attempt, item["chunk"], 0, tables, table.arrow_schema)
+                        return staging.write_part(
+                            staging_path, attempt, item["chunk"], 0, tables, table.arrow_schema, start,
+                            table.key_columns,
+                        )  # fmt: skip
 
                     rows = read_whole(stage)
                     yield pa.RecordBatch.from_arrays(

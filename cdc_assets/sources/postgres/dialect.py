@@ -46,9 +46,10 @@ from cdc_assets.config import PostgresConnection, SourceConfig
 from cdc_assets.dialect import ChangeBatch, Offset, OffsetError, TableChanges
 from cdc_assets.engine.chunks import Chunk, ChunkPlan
 from cdc_assets.engine.row_filter import RowFilter, RowFilterError, parse_row_filter
-from cdc_assets.engine.windows import FILL_CHUNK, ROWS_CHUNK
+from cdc_assets.engine.windows import FILL_CHUNK, ROWS_CHUNK, WindowStart
 from cdc_assets.lake import staging
 from cdc_assets.lake.files import LakePath
+from cdc_assets.lake.tasks import rows_in_tasks
 from cdc_assets.source import PermanentBatchError, SourceLag
 from cdc_assets.sources.postgres import catalog, snapshot, stream
 from cdc_assets.sources.postgres.catalog import CapturedTable, SkippedTable
@@ -80,9 +81,13 @@ def validate_postgres_offset(requested: str, confirmed_flush: int, server_flush:
     return lsn
 
 
+RANGE_COLUMNS = (("chunk", "int"), ("part", "int"), ("lo", "string"), ("hi", "string"))
+
+
 def _range_stager(
-    connection: PostgresConnection, source_name: str, table: CapturedTable, staging_path: str, attempt: str
-):
+    connection: PostgresConnection, source_name: str, table: CapturedTable, staging_path: str, attempt: str,
+    start: WindowStart,
+):  # fmt: skip
     """The ``mapInArrow`` function of a chunk read: one ``COPY`` per sub-range row, typed by the shared codec and
     written as one staged file; yields (chunk, rows) per sub-range."""
     columns = list(table.columns)
@@ -96,7 +101,9 @@ def _range_stager(
                     lo = None if item["lo"] is None else tuple(json.loads(item["lo"]))
                     hi = None if item["hi"] is None else tuple(json.loads(item["hi"]))
                     tables = copy_query_to_arrow(conn, snapshot.chunk_select(table, lo, hi), columns)
-                    rows = staging.write_part(staging_path, attempt, item["chunk"], item["part"], tables, schema)
+                    rows = staging.write_part(
+                        staging_path, attempt, item["chunk"], item["part"], tables, schema, start, table.key_columns
+                    )
                     yield pa.RecordBatch.from_arrays(
                         [pa.array([item["chunk"]], pa.int32()), pa.array([rows], pa.int64())], names=["chunk", "rows"]
                     )
@@ -114,8 +121,9 @@ class PostgresWindow(snapshot.PostgresWatermarks):
         self.source = source
 
     def stage_chunks(
-        self, spark: SparkSession, table: CapturedTable, chunks: Sequence[Chunk], staging_path: str, attempt: str
-    ) -> dict[int, int]:
+        self, spark: SparkSession, table: CapturedTable, chunks: Sequence[Chunk], staging_path: str, attempt: str,
+        start: WindowStart,
+    ) -> dict[int, int]:  # fmt: skip
         """Read ``chunks`` in parallel sub-ranges (one Spark task each) into staged files of ``attempt``; the rows
         staged per chunk. Returns when every read has finished."""
         current = catalog.with_current_columns(self.conn, table)  # after the low watermark (module docstring)
@@ -128,8 +136,8 @@ class PostgresWindow(snapshot.PostgresWatermarks):
                     (chunk.index, number, None if part.lo is None else json.dumps(part.lo),
                      None if part.hi is None else json.dumps(part.hi))
                 )  # fmt: skip
-        stager = _range_stager(self.source.connection, self.source.name, current, staging_path, attempt)
-        frame = spark.createDataFrame(ranges, "chunk int, part int, lo string, hi string").repartition(len(ranges))
+        stager = _range_stager(self.source.connection, self.source.name, current, staging_path, attempt, start)
+        frame = rows_in_tasks(spark, ranges, RANGE_COLUMNS)
         counts = dict.fromkeys((c.index for c in chunks), 0)
         for row in frame.mapInArrow(stager, "chunk int, rows long").collect():
             counts[row["chunk"]] += row["rows"]
