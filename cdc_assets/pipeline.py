@@ -81,6 +81,7 @@ from cdc_assets.engine.windows import (
     FILL_CHUNK,
     RECONCILED,
     ROWS_CHUNK,
+    STAGED,
     ChunkWindow,
     WindowEvent,
     WindowStart,
@@ -568,7 +569,10 @@ class CdcPipeline(Generic[TableT]):
         whose fill window was reconciled, and the rows windows reconciled (ad-hoc snapshots of chosen rows)."""
         log_read_at = time.time()
         # the snapshot runs' staged events into the table, and every event, from one read of the log
-        _, events = window_log.fold_staged(spark, self.lake.windows)
+        # (folded into the table with the first record below: one commit fewer)
+        pending_staged = window_log.pending_staged(spark, self.lake.windows)
+        events = list(pending_staged.events)
+        unrecorded = pending_staged.new
         pending = open_windows(events)
         since = {name: marker.position for name, marker in self.lake.resnapshot_markers().items()}
         stale = read_before(pending, since)  # read before changes the source lost: never applied
@@ -595,7 +599,8 @@ class CdcPipeline(Generic[TableT]):
                     table.key_columns, windows, chunks, self.dialect.settled_rule,
                 )  # fmt: skip
             counts = {(r.table, r.chunk): (r.kept, r.dropped, r.deleted) for r in results}
-            window_log.record(spark, self.lake.windows, RECONCILED, windows, counts)
+            window_log.record(spark, self.lake.windows, RECONCILED, windows, counts, staged=unrecorded)
+            unrecorded = []
             events += [WindowEvent(RECONCILED, w) for w in windows]
             for r in results:
                 self.lake.clear_waiting(r.table, r.chunk)
@@ -613,6 +618,8 @@ class CdcPipeline(Generic[TableT]):
                     {"table": r.table, "chunk": r.chunk, "event": RECONCILED, "kept": r.kept, "dropped": r.dropped,
                      "deleted": r.deleted}
                 )  # fmt: skip
+        window_log.record(spark, self.lake.windows, STAGED, unrecorded)  # none when folded above
+        pending_staged.drop_files()
         for name, position in sorted(since.items()):
             table = self.tables.get(name)
             chunks = [] if table is None else [c.index for c in self.plan(table).chunks]

@@ -30,16 +30,16 @@ deterministic, so a seed fixes the workload's recipe, not its exact interleaving
    calls ``prepare()``, as a Dagster run would.
 4. **Faults** (unless ``--no-faults``): workers run with ``CDC_FAULTS`` / ``CDC_FAULT_PROBABILITY`` /
    ``CDC_FAULT_SEED`` (snapshot: ``snapshot.before_window_record``; stream: ``stream.after_changelog``,
-   ``stream.after_merge``, ``stream.after_lake_commit``, ``stream.after_offset_record``,
-   ``stream.during_maintenance``), so they are SIGKILLed at those points; a killed or failed run is re-run (as
-   Dagster's retry policy would, up to 8 attempts). A **run kill**: a busy chunk run (twice per seed) and the stream
-   run (once) are SIGKILLed 0.3-6 s into their work, wherever that is: a chunk run anywhere from opening its source
-   to recording its windows (so also inside its read-and-stage Spark job: some staged files written, window not
-   recorded), the stream run anywhere from its slot read to its slot advance. An **executor loss**: a Spark Python
-   worker process of a snapshot worker is SIGKILLed while a chunk read runs (Spark retries the task, which rewrites
-   its staged file, or the run fails and is re-run). A **source restart** (``TortureSource.restart``; PostgreSQL:
-   ``scripts/pg.sh restart``) once mid-run (writers reconnect; runs fail and are re-run), for a source whose
-   ``restart_fault`` is not None (MongoDB's test server is in memory: a restart would lose everything).
+   ``stream.after_merge``, ``stream.after_lake_commit``, ``stream.after_offset_record``, ``stream.during_maintenance``,
+   ``stream.after_adopted_files``), so they are SIGKILLed at those points; a killed or failed run is re-run (as
+   Dagster's retry policy would, up to 8 attempts). A **run kill**: a busy chunk run (twice per seed) and the stream run
+   (once) are SIGKILLed 0.3-6 s into their work, wherever that is: a chunk run anywhere from opening its source to
+   recording its windows (so also inside its read-and-stage Spark job: some staged files written, window not recorded),
+   the stream run anywhere from its slot read to its slot advance. An **executor loss**: a Spark Python worker process
+   of a snapshot worker is SIGKILLed while a chunk read runs (Spark retries the task, which rewrites its staged file, or
+   the run fails and is re-run). A **source restart** (``TortureSource.restart``; PostgreSQL: ``scripts/pg.sh restart``)
+   once mid-run (writers reconnect; runs fail and are re-run), for a source whose ``restart_fault`` is not None
+   (MongoDB's test server is in memory: a restart would lose everything).
 5. **Checks**, after the workload stopped and the stream caught up (no waiting window, no change, lag 0): the
    source's ``verify`` in the stream worker (every mirror equals its source row by row and column by column, no
    ``_cdc_unknown``, no duplicate and no gap in the changelog against the source's own log: PostgreSQL's
@@ -106,7 +106,7 @@ SOURCE_KINDS = ("postgres", "mongodb")
 SNAPSHOT_POINTS = ("snapshot.before_window_record",)
 STREAM_POINTS = (
     "stream.after_changelog", "stream.after_merge", "stream.after_lake_commit", "stream.after_offset_record",
-    "stream.during_maintenance",
+    "stream.during_maintenance", "stream.after_adopted_files",
 )  # fmt: skip
 # SIGKILLs at a random moment of a busy run, per seed: chunk runs, stream runs
 RUN_KILLS = {"snapshot.killed_at_random": 2, "stream.killed_at_random": 1}

@@ -3,7 +3,8 @@
 Contract:
 - Mirror schema: the source columns (their Spark fields, ``cdc_assets.lake.schema``), ``_cdc_unrepresentable``,
   ``_cdc_op`` (``c``/``u`` from the stream, ``r`` from a snapshot), ``_cdc_position`` (commit end LSN of the last
-  change applied to the row; a reconciled snapshot row carries its window's high watermark), ``_cdc_ts`` and
+  change applied to the row; a reconciled snapshot row carries its window's high watermark, one of a chunk landed
+  whole its window's start position, ``cdc_assets.lake.adopt``), ``_cdc_ts`` and
   ``_cdc_unknown`` (names of columns whose value the lake could not know, see below; NULL when none). Change Data
   Feed is on. A column dropped at the
   source stays: every write (change or reconciled snapshot row) assigns all the mirror's source columns
@@ -50,7 +51,8 @@ Contract:
   reused the key), and no change the stream applied since carried those columns (it would have made them known),
   so they have not changed since the read.
   A chunk whose key range the mirror holds no row of is reconciled by an append of its kept rows (the MERGE would
-  only insert there); a rerun after a crash finds the rows and MERGEs, which changes nothing.
+  only insert there), or, when it kept every staged row, by landing its staged files whole (``cdc_assets.lake.adopt``:
+  one commit adding them, no row rewritten); a rerun after a crash finds the rows and MERGEs, which changes nothing.
   Before writing, it counts each window's staged rows: a window whose rows in staging differ from the count it
   recorded (they were deleted: by hand, or by the upkeep after a record came more than a day late) raises
   ``StagedRowsMismatch`` and writes nothing. Reconciling it would delete the chunk's mirror rows the read saw.

@@ -2,8 +2,9 @@
 time, and the staged events of snapshot runs as files beside it.
 
 Contract:
-- ``record(spark, path, event, windows, counts)`` appends one event row per window to the Delta table (a lost
-  creation race is retried). Only the source's lake-write pool writes it (the stream's reconciliation, the
+- ``record(spark, path, event, windows, counts, staged)`` appends one event row per window to the Delta table (a lost
+  creation race is retried), and in the same commit a ``staged`` row per window of ``staged`` (the folded events of
+  ``pending_staged``, below). Only the source's lake-write pool writes it (the stream's reconciliation, the
   snapshot_rows job): one writer at a time, as Delta's S3 log store needs (it makes one driver's commits safe, not
   two drivers' commits of the same version, which both PUT it: one commit would vanish).
 - ``record_staged(path, windows)`` is how a snapshot run, in no pool, records its staged windows: one new file per
@@ -12,10 +13,13 @@ Contract:
 - ``read_events(spark, path)`` returns every event: the Delta table's rows and the staged files' windows, each event
   (event, table, chunk, attempt) once, as ``WindowEvent``s for ``cdc_assets.engine.windows``; a staged file's time is
   returned as Spark returns the table's (naive, the process's local time), so both compare.
-- ``fold_staged(spark, path)`` (the stream's reconciliation, in the pool) appends the staged files' events that the
-  table lacks as ``staged`` rows, then deletes the files; it returns the number of events appended and every event
-  (what ``read_events`` returns after it, from the same one read). A run killed between the append and the deletes
-  leaves files whose events are in the table already: read once (above), and deleted by the next fold.
+- ``fold_staged(spark, path)`` appends the staged files' events that the table lacks as ``staged`` rows, then
+  deletes the files; it returns the number of events appended and every event (what ``read_events`` returns after
+  it, from the same one read). The stream's reconciliation (in the pool) does the same in steps, to save a commit:
+  ``pending_staged(spark, path)`` reads them (``PendingStaged``: the windows the table lacks, every event, the
+  files), the first ``record`` of the batch's reconciled windows appends them in its commit (or one of their own when
+  nothing was reconciled), then ``PendingStaged.drop_files()``. A run killed before the deletes leaves files whose
+  events may be in the table already: read once (above), and deleted by the next fold.
 
 Rows carry the low watermark (``low_watermark``: the source's text of it; ``lw_lsn``: the position taken just before
 it), the high watermark, the chunk's staged row count, and for ``reconciled`` the kept/dropped/deleted counts. Logs
@@ -28,6 +32,8 @@ from __future__ import annotations
 
 import json
 import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
 from datetime import UTC, datetime
 
 from pyspark.errors import AnalysisException
@@ -63,16 +69,19 @@ def record(
     event: str,
     windows: list[ChunkWindow],
     counts: dict[tuple[str, int], tuple[int, int, int]] | None = None,
+    staged: Sequence[ChunkWindow] = (),
 ) -> None:
-    if not windows:
+    if not windows and not staged:
         return
     now = datetime.now(UTC)
     rows = []
-    for w in windows:
-        kept, dropped, deleted = (counts or {}).get((w.table, w.chunk), (None, None, None))
+    for kind, w in [*((STAGED, w) for w in staged), *((event, w) for w in windows)]:
+        kept, dropped, deleted = (
+            (counts or {}).get((w.table, w.chunk), (None, None, None)) if kind == event else (None,) * 3
+        )
         rows.append(
-            (w.table, w.chunk, w.attempt, event, w.lw_lsn, w.hw, w.rows,
-             kept, dropped, deleted, w.at if event == "staged" else now, w.low_watermark)
+            (w.table, w.chunk, w.attempt, kind, w.lw_lsn, w.hw, w.rows,
+             kept, dropped, deleted, w.at if kind == STAGED else now, w.low_watermark)
         )  # fmt: skip
     frame = spark.createDataFrame(rows, SCHEMA)
     writer = frame.write.format("delta").mode("append").option("mergeSchema", "true")
@@ -149,16 +158,31 @@ def _not_in(table: list[WindowEvent], files: list[tuple[LakePath, list[WindowEve
     return new
 
 
-def fold_staged(spark: SparkSession, path: str) -> tuple[int, list[WindowEvent]]:
-    """Move the staged files' events into the table (see the module's contract); the number of events appended and
-    every event."""
+@dataclass(frozen=True)
+class PendingStaged:
+    new: list[ChunkWindow]  # staged windows of the files that the table lacks
+    events: list[WindowEvent]  # every event: the table's, then those
+    files: list[LakePath]
+
+    def drop_files(self) -> None:
+        for file in self.files:
+            file.unlink()
+
+
+def pending_staged(spark: SparkSession, path: str) -> PendingStaged:
     files = _staged_files(path)
     table = _table_events(spark, path)
     new = _not_in(table, files)
-    record(spark, path, STAGED, [item.window for item in new])  # nothing when there is nothing new
-    for file, _ in files:
-        file.unlink()
-    return len(new), table + new
+    return PendingStaged([item.window for item in new], table + new, [file for file, _ in files])
+
+
+def fold_staged(spark: SparkSession, path: str) -> tuple[int, list[WindowEvent]]:
+    """Move the staged files' events into the table (see the module's contract); the number of events appended and
+    every event."""
+    pending = pending_staged(spark, path)
+    record(spark, path, STAGED, pending.new)  # nothing when there is nothing new
+    pending.drop_files()
+    return len(pending.new), pending.events
 
 
 def _table_events(spark: SparkSession, path: str) -> list[WindowEvent]:

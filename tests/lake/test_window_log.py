@@ -8,9 +8,10 @@ from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
 
+from delta.tables import DeltaTable
 from pyspark.sql import types as T
 
-from cdc_assets.engine.windows import STAGED, ChunkWindow, open_windows
+from cdc_assets.engine.windows import RECONCILED, STAGED, ChunkWindow, open_windows
 from cdc_assets.lake import windows as window_log
 
 AT = datetime(2026, 11, 26, 12, 0, tzinfo=UTC)
@@ -79,3 +80,22 @@ def test_staged_files_are_events_until_folded_into_the_table_once(spark, tmp_pat
     assert len(window_log.read_events(spark, path)) == 3
     assert window_log.fold_staged(spark, path)[0] == 0 and window_log.staged_folder(path).glob("*.json") == []
     assert spark.read.format("delta").load(path).count() == 3
+
+
+def test_the_reconciliation_folds_staged_events_into_its_own_record(spark, tmp_path: Path) -> None:
+    path = str(tmp_path / "windows")
+    staged = [ChunkWindow("public.t", c, "run1-a", 90, "100:110:", 500, 7, AT) for c in (0, 1)]
+    window_log.record_staged(path, staged)
+    pending = window_log.pending_staged(spark, path)
+    assert [(w.chunk, w.attempt) for w in pending.new] == [(0, "run1-a"), (1, "run1-a")]
+    assert not DeltaTable.isDeltaTable(spark, path)  # nothing written by the read
+    # chunk 0 reconciled: its record carries both staged events, in one commit
+    window_log.record(spark, path, RECONCILED, [staged[0]], {("public.t", 0): (7, 0, 0)}, staged=pending.new)
+    pending.drop_files()
+    assert window_log.staged_folder(path).glob("*.json") == []
+    assert DeltaTable.forPath(spark, path).history().count() == 1
+    rows = sorted((r["event"], r["chunk"], r["kept"]) for r in spark.read.format("delta").load(path).collect())
+    assert rows == [(RECONCILED, 0, 7), (STAGED, 0, None), (STAGED, 1, None)]
+    events = window_log.read_events(spark, path)
+    assert [(w.chunk, w.attempt) for w in open_windows(events)] == [(1, "run1-a")]
+    assert window_log.pending_staged(spark, path).new == []
