@@ -193,8 +193,11 @@ def adopt_windows(
     mirror_types = {f.name: f.dataType for f in mirror_fields}
     landed: list[ChunkWindow] = []
     files: list[AdoptedFile] = []
+    listed: dict[str, list[tuple[int, LakePath]]] = {}  # an attempt's folder is listed once for all its chunks
     for window in windows:
-        found = [path for chunk, path in staging.part_files(staging_path, window.attempt) if chunk == window.chunk]
+        if window.attempt not in listed:
+            listed[window.attempt] = staging.part_files(staging_path, window.attempt)
+        found = [path for chunk, path in listed[window.attempt] if chunk == window.chunk]
         adopted = [adoptable_file(path, window, mirror_types, key_columns) for path in found]
         if not found or any(a is None for a in adopted) or sum(a.rows for a in adopted) != window.rows:
             continue
