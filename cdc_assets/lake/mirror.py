@@ -121,6 +121,23 @@ def ensure_mirror(
     also: Sequence[T.StructField] = (),
     key_columns: Sequence[str] = (),
 ) -> DeltaTable:
+    """``open_mirror``'s table."""
+    return open_mirror(spark, path, fields, also, key_columns).table
+
+
+@dataclass(frozen=True)
+class OpenedMirror:
+    table: DeltaTable
+    created: bool  # by this call: the mirror holds no file (one writer per lake table at a time)
+
+
+def open_mirror(
+    spark: SparkSession,
+    path: str,
+    fields: Sequence[T.StructField],
+    also: Sequence[T.StructField] = (),
+    key_columns: Sequence[str] = (),
+) -> OpenedMirror:
     """Create the mirror when missing (CDF and deletion vectors on); add source columns it lacks (an added column
     evolves the schema): those of ``fields`` (``cdc_assets.lake.schema``) and the source fields ``also`` (columns of
     rows about to be written that the caller's description of the table lacks: a snapshot read after the column was
@@ -128,7 +145,8 @@ def ensure_mirror(
     and random changes touch every file of a big mirror (bench.stream, 1M rows, 83k changes per batch: MERGE 41.8 s
     over 3 batches with them, 57.7 s without; only tiny mirrors are faster without). File statistics only on the
     ``key_columns`` and the fixed-size columns (``cdc_assets.lake.statistics``: a big text value made writes crawl),
-    also on a mirror made before that rule or grown since."""
+    also on a mirror made before that rule or grown since. ``created``: made by this call, so known to hold no file
+    without reading its state (a first reconciliation's files are landed without one Spark job over the new log)."""
     source_fields = list(fields)
     described = {f.name for f in source_fields}
     schema = T.StructType([*source_fields, *[f for f in also if f.name not in described], *META_FIELDS])
@@ -149,6 +167,7 @@ def ensure_mirror(
             created_with_statistics_columns(path, statistics_columns(schema, key_columns))
 
     table = table_or_none(spark, path)
+    created = table is None
     if table is None:
         clear_interrupted_create(path)  # a create killed half-way must not fail every later one
         commit_with_retry(create, f"create mirror {path}")
@@ -165,7 +184,7 @@ def ensure_mirror(
     if key_columns:  # the callers that know the key (a batch, a reconciliation): the statistics columns follow
         if ensure_statistics_columns(spark, path, statistics_columns(T.StructType(columns), key_columns)):
             table = DeltaTable.forPath(spark, path)
-    return table
+    return OpenedMirror(table, created)
 
 
 def mirror_source_fields(mirror: DeltaTable) -> list[T.StructField]:
@@ -648,7 +667,8 @@ def _reconcile_windows(
     staged_frame = staging.read_staged(spark, staging_path, (w.attempt for w in windows), fields)
     # a column the read had but the caller's description lacks (added since the stream run described the table)
     staged_source_fields = [f for f in staged_frame.schema.fields if f.name not in STAGING_ONLY_COLUMNS]
-    mirror = ensure_mirror(spark, mirror_path, fields, also=staged_source_fields, key_columns=key_columns)
+    opened = open_mirror(spark, mirror_path, fields, also=staged_source_fields, key_columns=key_columns)
+    mirror = opened.table
     all_types = {f.name: f.dataType for f in mirror_source_fields(mirror)}
     names = list(all_types)
     key_types = {k: all_types[k] for k in key_columns}
@@ -734,8 +754,9 @@ def _reconcile_windows(
         kept = staged_rows(staged_aliased, "u")
 
     # mirror rows inside a chunk's range that the read did not see and no unsettled transaction touched (none in a
-    # mirror without files: the first snapshot's, whose range conditions are not even built)
-    mirror_empty = not mirror.toDF().inputFiles()
+    # mirror without files: the first snapshot's, whose range conditions are not even built; a mirror made just now
+    # is not even asked: its first state read is a Spark job over its log, 3.1 s of a 1M-row snapshot's 10 s)
+    mirror_empty = opened.created or not mirror.toDF().inputFiles()
     in_range = F.lit(None).cast("int")
     any_range = F.lit(False)
     for w in reversed(windows):

@@ -12,7 +12,7 @@ from pyspark.errors import AnalysisException
 from pyspark.sql import types as T
 
 from cdc_assets.lake.delta_tables import clear_interrupted_create
-from cdc_assets.lake.mirror import append_changelog, ensure_mirror
+from cdc_assets.lake.mirror import append_changelog, ensure_mirror, open_mirror
 
 FIELDS = [T.StructField("id", T.LongType()), T.StructField("v", T.StringType())]
 
@@ -49,3 +49,15 @@ def test_a_mirror_and_a_changelog_whose_creation_was_killed_are_created_again(sp
     changes = spark.createDataFrame([(1, 1)], "`a b` long, _cdc_position long")
     append_changelog(spark, str(changelog), changes, 1)
     assert spark.read.format("delta").load(str(changelog)).count() == 1
+
+
+def test_open_mirror_says_created_only_on_the_call_that_made_the_mirror(spark, tmp_path: Path) -> None:
+    """A reconciliation lands files in a mirror ``created`` by its own call without asking Delta whether it holds
+    any: only that call may say so, also when the creation follows a killed one."""
+    mirror = str(interrupted(tmp_path / "mirror"))
+    first = open_mirror(spark, mirror, FIELDS, key_columns=["id"])
+    assert first.created is True
+    spark.createDataFrame([(1, "a")], "id long, v string").write.format("delta").mode("append").save(mirror)
+    again = open_mirror(spark, mirror, FIELDS, key_columns=["id"])
+    assert again.created is False
+    assert again.table.toDF().count() == 1
