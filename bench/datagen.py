@@ -4,10 +4,13 @@
   (bigint primary key, int, numeric(12,2), float8, text, text, timestamptz, date, bool, uuid; about 130 bytes per
   row on disk), loaded by two parallel sessions, then primary key, ``VACUUM (FREEZE, ANALYZE)`` (so that reading it
   sets no hint bits). A table with the same row count and layout version is reused (marked in its comment).
-- ``install_workload()``: procedure ``bench_workload(table, n_tx, tx_size, changes)`` that commits ``n_tx``
-  transactions of ``tx_size`` changes each: 25% inserts (new ids above the live range), 15% deletes (oldest ids),
-  60% updates of a contiguous live id range at a random place (4 columns changed). The live ids stay dense, so
-  every statement changes exactly the rows it names. ``changes`` returns the number of rows changed.
+- ``install_workload()``: procedure ``bench_workload(table, n_tx, tx_size, changes, insert_share, delete_share)``
+  that commits ``n_tx`` transactions of ``tx_size`` changes each: ``round(tx_size * insert_share)`` inserts (new ids
+  above the live range), ``round(tx_size * delete_share)`` deletes (oldest ids), the rest updates of a contiguous live
+  id range at a random place (4 columns changed). The live ids stay dense, so every statement changes exactly the
+  rows it names. ``changes`` returns the number of rows changed. ``MIXES``: the shares of the named mixes
+  (``update-heavy``, the default: 0.25 and 0.15, which at 10 changes per transaction is 3 inserts, 2 deletes and 5
+  updates; ``insert-heavy``: 0.9 and 0.04, at 10 changes 9 inserts and 1 update).
 - ``PacedWorkload``: calls the procedure from a thread at a target rate of changes per second.
 """
 
@@ -41,13 +44,17 @@ create table {table} (
 COLUMNS = 10
 
 WORKLOAD_SQL = """
-create or replace procedure bench_workload(tbl text, n_tx int, tx_size int, inout changes bigint default 0)
+drop procedure if exists bench_workload(text, int, int, bigint);
+create or replace procedure bench_workload(
+    tbl text, n_tx int, tx_size int, inout changes bigint default 0, insert_share numeric default 0.25,
+    delete_share numeric default 0.15
+)
 language plpgsql as $$
 declare
     lo bigint; hi bigint; n_ins int; n_del int; n_upd int; rc bigint; base bigint;
 begin
     execute format('select coalesce(min(id), 1), coalesce(max(id), 0) + 1 from %I', tbl) into lo, hi;
-    n_ins := round(tx_size * 0.25); n_del := round(tx_size * 0.15); n_upd := tx_size - n_ins - n_del;
+    n_ins := round(tx_size * insert_share); n_del := round(tx_size * delete_share); n_upd := tx_size - n_ins - n_del;
     changes := 0;
     for k in 1..n_tx loop
         execute format('insert into %I select ROW_SQL from generate_series($1::bigint, $2::bigint) g', tbl)
@@ -129,9 +136,16 @@ def install_workload() -> None:
         conn.execute(WORKLOAD_SQL.replace("ROW_SQL", " ".join(ROW_SQL.split()).replace("'", "''")))
 
 
-def run_workload(conn: psycopg.Connection, table: str, n_tx: int, tx_size: int) -> int:
-    """Commit ``n_tx`` transactions of ``tx_size`` changes on ``table``; returns the number of changed rows."""
-    (changes,) = conn.execute("call bench_workload(%s, %s, %s, null)", [table, n_tx, tx_size]).fetchone()
+MIXES = {"update-heavy": (0.25, 0.15), "insert-heavy": (0.9, 0.04)}  # (insert share, delete share)
+
+
+def run_workload(conn: psycopg.Connection, table: str, n_tx: int, tx_size: int, mix: str = "update-heavy") -> int:
+    """Commit ``n_tx`` transactions of ``tx_size`` changes of ``mix`` on ``table``; returns the number of changed
+    rows."""
+    inserts, deletes = MIXES[mix]
+    (changes,) = conn.execute(
+        "call bench_workload(%s, %s, %s, null, %s::numeric, %s::numeric)", [table, n_tx, tx_size, inserts, deletes]
+    ).fetchone()
     return int(changes)
 
 

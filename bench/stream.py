@@ -8,8 +8,9 @@ run starts its own, see ``bench.freshness``):
 1. Table ``bench_stream`` (``--initial-rows`` rows, the snapshot table's 10 columns), publication and pgoutput slot
    ``bench_stream`` created by the administrator; our pipeline snapshots it and streams until every chunk is
    reconciled, so the mirror holds the initial rows (not timed beyond being reported).
-2. Workload: ``--changes`` changes in transactions of ``--tx-size`` (25% inserts, 15% deletes, 60% updates),
-   committed by a server-side procedure as fast as it goes; the WAL it wrote is reported.
+2. Workload: ``--changes`` changes in transactions of ``--tx-size``, of the ``--mix`` (``update-heavy``, the
+   default: 3 inserts, 2 deletes and 5 updates per 10 changes; ``insert-heavy``: 9 inserts and 1 update per 10;
+   ``bench.datagen.MIXES``), committed by a server-side procedure as fast as it goes; the WAL it wrote is reported.
 3. Decode limit: ``select count(*) from pg_logical_slot_peek_binary_changes(slot, NULL, NULL, 'proto_version', '1',
    'publication_names', pub)`` on the same slot (peek does not consume), as the read-only role, ``--decode-repeats``
    times; changes/s = workload changes / seconds. Also ``peek+fetch``: the same peek's rows fetched by the client
@@ -65,7 +66,7 @@ from bench.common import (
     save_json,
     usage_json,
 )
-from bench.datagen import create_hot_table, install_workload, run_workload
+from bench.datagen import MIXES, create_hot_table, install_workload, run_workload
 from cdc_assets.config import StreamConfig
 from cdc_assets.sources.postgres.snapshot import take_inserted_wal_end
 
@@ -134,6 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--changes", type=int, default=1_000_000, help="workload changes (default 1M)")
     parser.add_argument("--tx-size", type=int, default=10, help="changes per transaction (default 10)")
+    parser.add_argument("--mix", choices=sorted(MIXES), default="update-heavy", help="workload (default update-heavy)")
     parser.add_argument("--initial-rows", type=int, default=1_000_000, help="rows before the workload (default 1M)")
     parser.add_argument("--chunk-size", type=int, default=250_000)
     parser.add_argument(
@@ -199,7 +201,7 @@ def run(args: argparse.Namespace, lake: Path) -> dict[str, Any]:
         conn.execute("set synchronous_commit = on")
         started = time.monotonic()
         transactions = args.changes // args.tx_size
-        changes = run_workload(conn, TABLE, transactions, args.tx_size)
+        changes = run_workload(conn, TABLE, transactions, args.tx_size, args.mix)
         end_lsn = wait_flushed(conn)
         workload_seconds = time.monotonic() - started
     wal = end_lsn - start_lsn
@@ -368,7 +370,7 @@ def report(result: dict[str, Any], args: argparse.Namespace) -> None:
                  usage.get("pg_backends", {}).get("cpu_seconds")])  # fmt: skip
     print()
     print_table(
-        f"Streaming throughput ({machine()}; {changes:,} changes in transactions of {args.tx_size}, "
+        f"Streaming throughput ({machine()}; {changes:,} changes ({args.mix}) in transactions of {args.tx_size}, "
         f"{result['workload']['wal_bytes'] / MB:.1f} MB WAL, mirror of {args.initial_rows:,} rows, "
         f"batch bound {args.max_changes:,})",
         ["what", "changes", "messages", "seconds", "changes/s", "pg cpu s"],
@@ -398,10 +400,10 @@ def report(result: dict[str, Any], args: argparse.Namespace) -> None:
     print(f"  lake upkeep after the workload (maintain_lake): {upkeep['seconds']:.1f} s; files "
           f"{upkeep['files_before']} -> {upkeep['files_after']}; staging files dropped "
           f"{upkeep['staging_files_dropped']}")  # fmt: skip
-    plot(result, limit)
+    plot(result, limit, args.mix)
 
 
-def plot(result: dict[str, Any], limit: float) -> None:
+def plot(result: dict[str, Any], limit: float, mix: str = "update-heavy") -> None:
     plt = pyplot()
     batches = result["ours"]["batches"]
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
@@ -429,7 +431,7 @@ def plot(result: dict[str, Any], limit: float) -> None:
     right.set_ylabel("seconds")
     right.set_title("Batch phases")
     right.legend(fontsize=8)
-    save_figure(fig, "stream_batches.png")
+    save_figure(fig, "stream_batches.png" if mix == "update-heavy" else f"stream_batches_{mix}.png")
 
 
 if __name__ == "__main__":
