@@ -1,11 +1,16 @@
-"""``cdc_assets.lake.tasks``: work items spread over one task per core, in order, without a shuffle."""
+"""``cdc_assets.lake.tasks``: work items spread over one task per core, in order, without a shuffle; the same runs
+and outputs from the classic (RDD) path and the Spark Connect one (``rows_in_tasks`` + ``mapInArrow``)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
+import pyarrow as pa
 import pytest
 from pyspark.sql import SparkSession
 
-from cdc_assets.lake.tasks import rows_in_tasks, task_slots
+from cdc_assets.lake import tasks
+from cdc_assets.lake.tasks import map_in_tasks, rows_in_tasks, task_slots
 
 COLUMNS = (("chunk", "int"), ("part", "int"), ("lo", "string"), ("hi", "string"))
 
@@ -31,3 +36,43 @@ def test_no_rows_is_an_empty_frame_of_the_columns_and_a_value_that_does_not_fit_
     assert empty.count() == 0 and [f.name for f in empty.schema.fields] == [n for n, _ in COLUMNS]
     with pytest.raises(Exception, match=r"(?i)malformed|parse|FAILFAST"):
         rows_in_tasks(spark, [("not a number", 0, None, None)], COLUMNS).collect()
+
+
+def test_map_in_tasks_gives_the_same_runs_and_outputs_on_both_paths(spark: SparkSession, monkeypatch) -> None:
+    """Functions shipped to the workers are defined in the test (pickled by value: workers cannot import tests)."""
+
+    def runs_seen(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        """One output row per input batch (as a task sees its run): first chunk, row count, every item's text."""
+        for batch in batches:
+            items = batch.to_pylist()
+            text = "|".join(f"{i['chunk']}:{i['part']}:{i['lo']}:{i['hi']}" for i in items)
+            yield pa.RecordBatch.from_pylist(
+                [{"first": items[0]["chunk"], "rows": len(items), "items": text}],
+                schema=pa.schema([("first", pa.int32()), ("rows", pa.int64()), ("items", pa.string())]),
+            )
+
+    rows = [(index, index % 2, "ké,y" if index % 3 else None, str(index * 10)) for index in range(5)]
+    output = "first int, rows long, items string"
+    classic = sorted(map_in_tasks(spark, rows, COLUMNS, runs_seen, output), key=lambda r: r["first"])
+    monkeypatch.setattr(tasks, "task_slots", lambda _spark: None)  # what Spark Connect answers: a task per row
+    connect_like = sorted(map_in_tasks(spark, rows, COLUMNS, runs_seen, output), key=lambda r: r["first"])
+    monkeypatch.undo()
+    expected = [f"{c}:{p}:{lo}:{hi}" for c, p, lo, hi in rows]  # in order, values intact
+    slots = task_slots(spark)
+    assert slots is not None and len(classic) == min(len(rows), slots)  # one task (one batch) per slot
+    assert max(r["rows"] for r in classic) - min(r["rows"] for r in classic) <= 1
+    assert [item for run in classic for item in run["items"].split("|")] == expected  # contiguous runs
+    assert [run["items"] for run in connect_like] == expected
+    assert map_in_tasks(spark, [], COLUMNS, runs_seen, "first int, rows long, items string") == []
+    with pytest.raises(ValueError, match=r"double.*allowed bigint, int, string"):
+        map_in_tasks(spark, [(1.5,)], (("x", "double"),), runs_seen, "first int")
+
+
+def test_a_task_error_raises_from_the_call(spark: SparkSession) -> None:
+    def failing(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        for _ in batches:
+            raise RuntimeError("read of sub-range failed: connection refused")
+        yield from ()
+
+    with pytest.raises(Exception, match="read of sub-range failed"):
+        map_in_tasks(spark, [(1, 0, None, None)], COLUMNS, failing, "chunk int, rows long")

@@ -69,7 +69,7 @@ from cdc_assets.lake import staging
 from cdc_assets.lake.files import LakePath
 from cdc_assets.lake.layout import SourceLake
 from cdc_assets.lake.schema import spark_fields
-from cdc_assets.lake.tasks import rows_in_tasks
+from cdc_assets.lake.tasks import map_in_tasks
 from cdc_assets.source import CapturedTablesChanged, PermanentBatchError, SourceError, SourceLag
 from cdc_assets.sources.mongodb import catalog, filter_query, history, snapshot, stream
 from cdc_assets.sources.mongodb import client as clients
@@ -131,10 +131,10 @@ class MongoWindow:
             dialect.connection, table, staging_path, attempt, self.low, dialect.capabilities.cluster_time,
             dialect.listeners, start,
         )  # fmt: skip
-        frame = rows_in_tasks(spark, ranges, (("chunk", "int"), ("lo", "string"), ("hi", "string")))
+        columns = (("chunk", "int"), ("lo", "string"), ("hi", "string"))
         counts = dict.fromkeys((c.index for c in chunks), 0)
         try:
-            for row in frame.mapInArrow(stager, "chunk int, rows long").collect():
+            for row in map_in_tasks(spark, ranges, columns, stager, "chunk int, rows long"):
                 counts[row["chunk"]] += row["rows"]
         except Exception as error:
             if "ServerSelectionTimeoutError" in str(error) or "AutoReconnect" in str(error):

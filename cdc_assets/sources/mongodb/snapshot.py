@@ -20,9 +20,9 @@ Contract:
   ``read_whole(read)`` runs a whole read again with ``SAFE_BATCH`` documents a batch then (two of at most 16 MB
   fit); its callers restart only reads whose output is not visible yet (a staged file is renamed into place once
   complete; a check keeps the rows once read). Yielded tables also stop at ``BATCH_BYTES`` of canonical JSON.
-- ``chunk_stager(...)`` is the ``mapInArrow`` function of a window's chunk reads: one task per chunk, each with its
-  own client (the connection string travels in the task's closure, never in a log), writing one staged file
-  (``cdc_assets.lake.staging.write_part``) and yielding ``(chunk, rows)``.
+- ``chunk_stager(...)`` is the Arrow batch mapper of a window's chunk reads (``lake.tasks.map_in_tasks``), each
+  task with its own client (the connection string travels in the task's closure, never in a log), writing one staged
+  file (``cdc_assets.lake.staging.write_part``) and yielding ``(chunk, rows)``.
 """
 
 from __future__ import annotations

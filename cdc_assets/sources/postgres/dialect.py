@@ -4,14 +4,14 @@ Contract:
 - ``discover()`` checks the role (``REPLICATION``), resolves the captured tables, makes sure the publication covers
   them and the slot exists (created only when missing and allowed; otherwise ``SourceError`` with the statement an
   administrator can run). The slot exists before any snapshot window opens, so no change is ever missed.
-- ``window()``: one connection; the low watermark is ``pg_current_snapshot()`` (with the WAL insert position just
-  before it), the high watermark the WAL insert position after the reads (``PostgresWatermarks``). Chunk reads run
-  as parallel sub-ranges in Spark tasks (psycopg ``COPY`` into Arrow inside each task, ``mapInArrow``; each task
-  writes its rows as a staged Parquet file), with the columns the table has after the low watermark (a column added
-  after the run described the table and set by a transaction settled at the low watermark is in the rows the reads
-  see; else staged without it and reconciled as NULL over the stream's value: a lost update). A fill window reads
-  rows by key in the driver, 1,000 keys per statement; an ad-hoc snapshot of chosen rows (a rows window) reads the
-  rows matching its filter with one ``COPY`` in the driver (``snapshot.rows_matching_select``).
+- ``window()``: one connection; the low watermark is ``pg_current_snapshot()`` (with the WAL insert position just before
+  it), the high watermark the WAL insert position after the reads (``PostgresWatermarks``). Chunk reads run as parallel
+  sub-ranges in Spark tasks (psycopg ``COPY`` into Arrow inside each task, ``lake.tasks.map_in_tasks``; each task writes
+  its rows as a staged Parquet file), with the columns the table has after the low watermark (a column added after the
+  run described the table and set by a transaction settled at the low watermark is in the rows the reads see; else
+  staged without it and reconciled as NULL over the stream's value: a lost update). A fill window reads rows by key in
+  the driver, 1,000 keys per statement; an ad-hoc snapshot of chosen rows (a rows window) reads the rows matching its
+  filter with one ``COPY`` in the driver (``snapshot.rows_matching_select``).
 - ``row_filter(table, raw)``: the filter validated against the table's columns, composed
   (``snapshot.filter_condition``) and tried once with ``limit 0`` (no row is read): a value that does not cast to
   its column's type, or a comparison the type lacks (``json = json``), raises ``RowFilterError`` with PostgreSQL's
@@ -49,7 +49,7 @@ from cdc_assets.engine.row_filter import RowFilter, RowFilterError, parse_row_fi
 from cdc_assets.engine.windows import FILL_CHUNK, ROWS_CHUNK, WindowStart
 from cdc_assets.lake import staging
 from cdc_assets.lake.files import LakePath
-from cdc_assets.lake.tasks import rows_in_tasks
+from cdc_assets.lake.tasks import map_in_tasks
 from cdc_assets.source import PermanentBatchError, SourceLag
 from cdc_assets.sources.postgres import catalog, snapshot, stream
 from cdc_assets.sources.postgres.catalog import CapturedTable, SkippedTable
@@ -88,8 +88,8 @@ def _range_stager(
     connection: PostgresConnection, source_name: str, table: CapturedTable, staging_path: str, attempt: str,
     start: WindowStart,
 ):  # fmt: skip
-    """The ``mapInArrow`` function of a chunk read: one ``COPY`` per sub-range row, typed by the shared codec and
-    written as one staged file; yields (chunk, rows) per sub-range."""
+    """The Arrow batch mapper of a chunk read (``cdc_assets.lake.tasks.map_in_tasks``): one ``COPY`` per sub-range
+    row, typed by the shared codec and written as one staged file; yields (chunk, rows) per sub-range."""
     columns = list(table.columns)
     schema = arrow_schema(columns)
 
@@ -137,9 +137,8 @@ class PostgresWindow(snapshot.PostgresWatermarks):
                      None if part.hi is None else json.dumps(part.hi))
                 )  # fmt: skip
         stager = _range_stager(self.source.connection, self.source.name, current, staging_path, attempt, start)
-        frame = rows_in_tasks(spark, ranges, RANGE_COLUMNS)
         counts = dict.fromkeys((c.index for c in chunks), 0)
-        for row in frame.mapInArrow(stager, "chunk int, rows long").collect():
+        for row in map_in_tasks(spark, ranges, RANGE_COLUMNS, stager, "chunk int, rows long"):
             counts[row["chunk"]] += row["rows"]
         return counts
 
