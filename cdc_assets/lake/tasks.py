@@ -5,7 +5,9 @@ Contract: ``map_in_tasks(spark, rows, columns, function, output)`` runs ``functi
 out) over ``rows`` (tuples of ``columns``: (name, SQL type) pairs; types ``int``, ``bigint``, ``string``) in
 ``min(len(rows), task_slots(spark))`` tasks, each given a contiguous run of the rows, in order, the runs differing by
 at most one row, all in one stage without a shuffle; it returns the output rows (dicts) once every task has finished.
-No rows: no job, no output. A task's error raises from the call. On classic Spark the tasks are those of
+No rows: no job, no output. A task's error raises ``TaskFailed`` from the call, its message starting with the
+line of the Python error the task raised (``psycopg.OperationalError: ...``: what the UI shows first), the Spark
+error as its cause. On classic Spark the tasks are those of
 ``SparkContext.parallelize(rows, tasks).mapPartitions`` (each run handed to ``function`` as one record batch); on
 Spark Connect, which has no RDD, ``rows_in_tasks(...).mapInArrow(function, output)``.
 
@@ -43,6 +45,22 @@ ArrowMapper = Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]
 ARROW_TYPES = {"int": pa.int32(), "bigint": pa.int64(), "string": pa.string()}
 
 
+class TaskFailed(RuntimeError):
+    """A task of ``map_in_tasks`` raised; the message starts with its Python error's line."""
+
+
+def worker_error(text: str) -> str | None:
+    """The line naming the error of the last Python traceback in ``text`` (a Spark error's text holds the worker's
+    traceback), or ``None`` when it holds none."""
+    start = text.rfind("Traceback (most recent call last):")
+    if start < 0:
+        return None
+    for line in text[start:].splitlines()[1:]:
+        if line.strip() and not line.startswith((" ", "\t")):
+            return line.strip()
+    return None
+
+
 def task_slots(spark: SparkSession) -> int | None:
     try:
         return max(1, int(spark.sparkContext.defaultParallelism))
@@ -76,13 +94,17 @@ def map_in_tasks(
     if not rows:
         return []
     slots = task_slots(spark)
-    if slots is None:
-        frame = rows_in_tasks(spark, rows, columns).mapInArrow(function, output)
-        return [row.asDict() for row in frame.collect()]
-    tasks = min(len(rows), slots)
-    return (
-        spark.sparkContext.parallelize(list(rows), tasks).mapPartitions(_partition_runner(function, schema)).collect()
-    )
+    try:
+        if slots is None:
+            frame = rows_in_tasks(spark, rows, columns).mapInArrow(function, output)
+            return [row.asDict() for row in frame.collect()]
+        runs = spark.sparkContext.parallelize(list(rows), min(len(rows), slots))
+        return runs.mapPartitions(_partition_runner(function, schema)).collect()
+    except Exception as error:
+        cause = worker_error(str(error))
+        if cause is None:
+            raise
+        raise TaskFailed(f"{cause} (raised in a Spark task; the task's traceback is in the cause below)") from error
 
 
 def rows_in_tasks(spark: SparkSession, rows: Sequence[tuple], columns: Sequence[tuple[str, str]]) -> DataFrame:

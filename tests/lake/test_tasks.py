@@ -10,7 +10,7 @@ import pytest
 from pyspark.sql import SparkSession
 
 from cdc_assets.lake import tasks
-from cdc_assets.lake.tasks import map_in_tasks, rows_in_tasks, task_slots
+from cdc_assets.lake.tasks import TaskFailed, map_in_tasks, rows_in_tasks, task_slots, worker_error
 
 COLUMNS = (("chunk", "int"), ("part", "int"), ("lo", "string"), ("hi", "string"))
 
@@ -68,11 +68,23 @@ def test_map_in_tasks_gives_the_same_runs_and_outputs_on_both_paths(spark: Spark
         map_in_tasks(spark, [(1.5,)], (("x", "double"),), runs_seen, "first int")
 
 
-def test_a_task_error_raises_from_the_call(spark: SparkSession) -> None:
+def test_the_error_line_of_a_workers_traceback() -> None:
+    text = (
+        "An error occurred while calling z:org.apache.spark.api.python.PythonRDD.collectAndServe.\n"
+        ": org.apache.spark.SparkException: Job aborted ... org.apache.spark.api.python.PythonException: "
+        'Traceback (most recent call last):\n  File "worker.py", line 1, in main\n    read()\n'
+        "psycopg.errors.InsufficientPrivilege: permission denied for table orders\n\n"
+        "\tat org.apache.spark.api.python.BasePythonRunner.handlePythonException(PythonRunner.scala:1)\n"
+    )
+    assert worker_error(text) == "psycopg.errors.InsufficientPrivilege: permission denied for table orders"
+    assert worker_error("Job aborted: executor lost") is None
+
+
+def test_a_task_error_raises_from_the_call_naming_the_workers_error_first(spark: SparkSession) -> None:
     def failing(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         for _ in batches:
             raise RuntimeError("read of sub-range failed: connection refused")
         yield from ()
 
-    with pytest.raises(Exception, match="read of sub-range failed"):
+    with pytest.raises(TaskFailed, match=r"^RuntimeError: read of sub-range failed: connection refused \(raised in"):
         map_in_tasks(spark, [(1, 0, None, None)], COLUMNS, failing, "chunk int, rows long")
