@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import decimal
 import math
+import random
 from datetime import UTC, date, datetime
 from decimal import Decimal
 
@@ -240,6 +242,63 @@ def test_unconstrained_numeric() -> None:
         None,
     ]
     assert [u and u["a"] for u in unrepresentable] == [None, texts[1], texts[2], texts[3], None, None, "NaN"]
+
+
+def test_numeric_that_arrow_would_wrap_around_is_unrepresentable() -> None:
+    """Alone in its batch (the one-cast path): Arrow's text-to-decimal cast wraps a value whose digits pass 2**127
+    after rescaling, or a text of more than 38 digits, instead of refusing it."""
+    for column, text in [
+        (col("a", NUMERIC), "-3333333333333333333333333333333333333333.5"),  # became 88653375934657485763.83...
+        (col("a", NUMERIC), "12345678901234567890123.5"),
+        (col("a", NUMERIC, numeric_typmod(10, 2)), "1.5" + "0" * 40),  # became 0.00
+        (col("a", NUMERIC, numeric_typmod(38, 0)), "-24.0525388724580178176" + "0" * 18),  # became 0
+    ]:
+        values, unrepresentable = decode(column, [text])
+        exact = Decimal(text)
+        if values == [None]:
+            assert unrepresentable == [{"a": text}], text
+        else:  # only trailing zeros beyond the scale: the value itself
+            assert values == [exact] and unrepresentable == [None], text
+    array_text = "{-3333333333333333333333333333333333333333.5}"  # array elements take the same path
+    assert decode(array_col("a", NUMERIC), [array_text, "{1.5}"]) == (
+        [None, [Decimal("1.5")]],
+        [{"a": array_text}, None],
+    )
+
+
+def _exact_decimal(text: str, precision: int, scale: int) -> Decimal | None:
+    """The oracle: the value of ``text`` in decimal(precision, scale), or None when it does not fit exactly."""
+    with decimal.localcontext(decimal.Context(prec=500)):
+        value = Decimal(text)
+        quantized = value.quantize(Decimal(1).scaleb(-scale))
+        if quantized != value or abs(quantized) >= Decimal(10) ** (precision - scale):
+            return None
+        return quantized
+
+
+@pytest.mark.parametrize(("precision", "scale"), [(38, 18), (38, 0), (38, 38), (38, 1), (30, 10), (10, 2), (1, 0)])
+def test_numeric_decoding_equals_exact_decimal_arithmetic(precision: int, scale: int) -> None:
+    """Random texts of 0-45 integer and 0-40 fractional digits, some with trailing zeros, decoded one per batch (the
+    one-cast path) and all in one batch: each is its exact value or unrepresentable, as exact arithmetic says."""
+    rng = random.Random(precision * 100 + scale)
+
+    def digits(count: int) -> str:
+        return "".join(rng.choice("0123456789") for _ in range(count))
+
+    texts = []
+    for _ in range(400):
+        integer_digits = rng.choice([0, 1, 2, 9, 18, 19, 20, 21, 22, 30, 37, 38, 39, 45])
+        integer = "0" if integer_digits == 0 else str(rng.randint(1, 9)) + digits(integer_digits - 1)
+        fraction = digits(rng.choice([0, 0, 1, 2, 9, 17, 18, 19, 25, 38, 40])) + "0" * rng.choice([0, 0, 3, 25])
+        texts.append(rng.choice(["", "-"]) + integer + (f".{fraction}" if fraction else ""))
+    column = col("a", NUMERIC, -1 if (precision, scale) == (38, 18) else numeric_typmod(precision, scale))
+    expected = [_exact_decimal(text, precision, scale) for text in texts]
+    assert any(value is None for value in expected) and any(value is not None for value in expected)
+    batch = decode(column, texts)
+    for row, text in enumerate(texts):
+        for values, unrepresentable in [decode(column, [text]), ([batch[0][row]], [batch[1][row]])]:
+            assert values == [expected[row]], text
+            assert unrepresentable == [None if expected[row] is not None else {"a": text}], text
 
 
 def test_numeric_scale_zero_and_all_fractional() -> None:
