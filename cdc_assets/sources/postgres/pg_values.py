@@ -386,16 +386,12 @@ def _decode_bool(texts: pa.Array) -> _Decoded:
     return values, None
 
 
-def _decimal_pattern(precision: int, scale: int) -> str:
+def _decimal_pattern(precision: int, scale: int, zeros_beyond_scale: bool = True) -> str:
+    """A finite value of decimal(precision, scale) as PostgreSQL prints it: at most ``precision - scale`` integer and
+    ``scale`` fractional digits, and any trailing zeros beyond the scale unless ``zeros_beyond_scale`` is false."""
     integer = r"0" if precision == scale else rf"(?:0|[1-9]\d{{0,{precision - scale - 1}}})"
-    return rf"^-?{integer}(?:\.\d{{0,{scale}}}0*)?$"
-
-
-def _plain_decimal_pattern(precision: int, scale: int) -> str:
-    """Plain digits with at most ``precision - scale`` integer and ``scale`` fractional digits."""
-    integer = r"0" if precision == scale else rf"\d{{1,{precision - scale}}}"
-    fraction = "" if scale == 0 else rf"(?:\.\d{{1,{scale}}})?"
-    return rf"^-?{integer}{fraction}$"
+    zeros = "0*" if zeros_beyond_scale else ""
+    return rf"^-?{integer}(?:\.\d{{0,{scale}}}{zeros})?$"
 
 
 def _decode_decimal(texts: pa.Array, arrow: pa.Decimal128Type) -> _Decoded:
@@ -407,7 +403,8 @@ def _decode_decimal(texts: pa.Array, arrow: pa.Decimal128Type) -> _Decoded:
     # check, so a text of more than 38 digits, or one whose rescaled digits pass 2**127, wraps around instead of
     # being refused (-3333333333333333333333333333333333333333.5 became 88653375934657485763.8353... in
     # decimal(38,18); 1.5 followed by 40 zeros became 0.00 in decimal(10,2)).
-    if pc.all(pc.match_substring_regex(texts, _plain_decimal_pattern(precision, scale))).as_py() is not False:
+    plain = _decimal_pattern(precision, scale, zeros_beyond_scale=False)
+    if pc.all(pc.match_substring_regex(texts, plain)).as_py() is not False:
         try:
             return pc.cast(texts, arrow), None
         except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
