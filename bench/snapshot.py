@@ -24,7 +24,8 @@ reused) it measures, one after the other, after one untimed warm-up scan of the 
    partition is not read into memory whole), then ``.write.format("delta")`` into a fresh directory; wall time
    from the process's start, Spark's start included. Then, untimed, the same read of ``bench_snap_odd_values``
    (numeric ``NaN``, a numeric of 45 digits, dates and timestamps at +-infinity, one column each), printing what the
-   peer returns or the error it raises for each: the values our codec keeps exactly.
+   peer returns or the error it raises for each: the values our codec keeps exactly. Its JVM starts without our
+   class archive (``cdc_assets.lake.class_archive``: a Spark user's JVM has none) unless ``--peer-class-archive``.
 6. ``ours_cluster``: ours again with ``spark.master`` on a standalone cluster the command starts on loopback
    (``tools/spark_standalone.py``: ``--cluster-workers`` workers of one core and ``--cluster-worker-memory`` each),
    the driver in the worker process as for ``ours``. The executors' CPU (their JVMs, their Python workers) is
@@ -301,7 +302,8 @@ def worker_spark_jdbc(args: argparse.Namespace) -> dict[str, Any]:
     password = reader_password()
     try:
         spark = spark_session(
-            SparkConfig(master=args.master, conf={"spark.jars": ",".join([*delta_jars(), *bench_jars()])})
+            SparkConfig(master=args.master, conf={"spark.jars": ",".join([*delta_jars(), *bench_jars()])}),
+            use_class_archive=args.peer_class_archive,
         )
         spark_start = time.monotonic() - started
         url, properties = jdbc_source()
@@ -431,7 +433,8 @@ def run_spark_jdbc(table: str, rows: int, args: argparse.Namespace) -> dict[str,
         conn.execute(ODD_VALUES_SQL)
         grant_select(conn, ODD_VALUES_TABLE)
     try:
-        return run_worker("bench.snapshot", ["--worker", "spark_jdbc", "--table", table, "--out", str(out)],
+        archive = ["--peer-class-archive"] if args.peer_class_archive else []
+        return run_worker("bench.snapshot", ["--worker", "spark_jdbc", "--table", table, "--out", str(out), *archive],
                           f"snapshot-spark-jdbc-{rows}")  # fmt: skip
     finally:
         if not args.keep:
@@ -606,6 +609,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--cluster-workers", type=int, default=2, help="ours_cluster: standalone workers (1 core each)")
     parser.add_argument("--cluster-worker-memory", default="4g", help="ours_cluster: each worker's memory (4g)")
     parser.add_argument("--cluster-executor-memory", default="3g", help="ours_cluster: spark.executor.memory (3g)")
+    parser.add_argument(
+        "--peer-class-archive", action="store_true", help="spark_jdbc: start its JVM with our class archive too"
+    )
     parser.add_argument("--worker", choices=["dlt", "ours", "spark_jdbc"], help=argparse.SUPPRESS)
     parser.add_argument("--master", default="local[2]", help=argparse.SUPPRESS)
     parser.add_argument("--table", help=argparse.SUPPRESS)

@@ -4,7 +4,8 @@
 #   drives: no browser is downloaded by Playwright) when missing, a Python 3.11 virtualenv in .venv with
 #   the project and its dev extras from PyPI, the Delta JVM jars via Maven into the git-ignored .jars/, and the
 #   MongoDB test server (jvm/mongo-test-server, built with Maven) with its dependencies into .jars/mongo-test-server/
-#   (a folder of its own: Spark loads every jar directly in .jars/, and the test server's netty 4.2 must not be there).
+#   (a folder of its own: Spark loads every jar directly in .jars/, and the test server's netty 4.2 must not be there),
+#   then the Spark driver's class archive into .jars/spark-classes.jsa.
 # EXTRAS (comma-separated) adds optional-dependency groups of pyproject.toml and their JVM jars: bench (.jars/bench/),
 # s3 (moto for the tests; hadoop-aws and the ~558 MB AWS SDK bundle into .jars/s3/, for an s3a:// lake root).
 set -euo pipefail
@@ -59,4 +60,8 @@ if [[ ",${EXTRAS:-}," == *",s3,"* ]] \
   (cd jvm/s3 && mvn -q -B dependency:copy-dependencies -DoutputDirectory=../../.jars/s3 -DincludeScope=runtime)
   touch .jars/s3/.complete
 fi
+# the Spark driver's class archive (cdc_assets/lake/class_archive.py, built by build_class_archive.py: Spark's and Delta's classes parsed once, mapped
+# by every driver after; about a minute to build), again when a jar on the driver's classpath or java is newer
+.venv/bin/python -m cdc_assets.lake.build_class_archive --if-stale \
+  || echo "warning: the Spark class archive was not built; drivers start without it (slower, nothing else)" >&2
 echo "setup complete: .venv and .jars ready"

@@ -46,6 +46,7 @@ from pathlib import Path
 from pyspark.sql import SparkSession
 
 from cdc_assets.config import SparkConfig
+from cdc_assets.lake.class_archive import ARCHIVE_NAME, with_class_archive
 from cdc_assets.lake.object_store import endpoint_from_env, location_scheme, region_from_env
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -54,6 +55,7 @@ DERBY_OPTION = "-Dderby.system.home=/tmp/cdc-derby"
 # for a driver that lives seconds to minutes (a test's runs, the torture harness's workers): C1-only JIT and the
 # serial collector start and warm up about twice as fast on a small machine (a torture run's workers: 235 CPU-s
 # against 300 with the tiered JIT); ``spark.driver.extraJavaOptions`` in ``cdc.yaml`` takes it
+DRIVER_JAVA_OPTIONS = "spark.driver.extraJavaOptions"
 SHORT_LIVED_DRIVER_OPTIONS = f"{DERBY_OPTION} -XX:TieredStopAtLevel=1 -XX:+UseSerialGC"
 # The throughput collector rather than G1 (Java 17's default): Spark's row work is batch work, and on 2 cores G1's
 # concurrent threads compete with it. bench.stream's Spark side measured about 10% faster with it, cold and warm.
@@ -71,7 +73,7 @@ BASE_CONF: dict[str, str] = {
     # generate more classes than the default cache of 100 holds, so every batch compiled them all again
     # (bench.stream, 50k-row mirror, 10 batches of 8k changes: 71.3 s with 100 entries, 54-58 s with 2000)
     "spark.sql.codegen.cache.maxEntries": "2000",
-    "spark.driver.extraJavaOptions": f"{DERBY_OPTION} -XX:+UseParallelGC",
+    DRIVER_JAVA_OPTIONS: f"{DERBY_OPTION} -XX:+UseParallelGC",
     # Parquet writers (the changelog, the mirror) cut pages and row groups by bytes from the first row on, and look
     # after every row: parquet-mr's default estimate puts the next page check where the rows so far, at their average
     # size, would fill a page (halved, up to 10000 rows on), so big values after small rows (a changelog's or a
@@ -117,6 +119,12 @@ def default_driver_memory(total_bytes: int | None = None) -> str:
 def jars_folder() -> Path:
     """The folder of the JVM jars ``scripts/setup.sh`` fetched: ``$CDC_JARS_DIR``, else ``.jars/``."""
     return Path(os.environ.get("CDC_JARS_DIR", ROOT / ".jars"))
+
+
+def class_archive_path() -> Path:
+    """Where ``scripts/setup.sh`` keeps the driver's class archive (``cdc_assets.lake.class_archive``): beside the
+    jars it holds classes of."""
+    return jars_folder() / ARCHIVE_NAME
 
 
 def delta_jars() -> list[str]:
@@ -186,22 +194,31 @@ def memory_megabytes(text: str) -> int:
     return int(value) // 2**20
 
 
-def driver_conf(config: SparkConfig, lake_root: str | os.PathLike[str] | None = None) -> dict[str, str]:
+def driver_conf(
+    config: SparkConfig, lake_root: str | os.PathLike[str] | None = None, use_class_archive: bool = True
+) -> dict[str, str]:
     """A local driver's Spark conf: ``BASE_CONF``, the default heap, the Delta jars (and the s3a jars for an
     ``s3a://`` lake root) in ``spark.jars``, ``object_store_conf(lake_root)``, then ``config.conf``, which overrides
-    any of them."""
+    any of them; then, with ``use_class_archive``, the class archive ``scripts/setup.sh`` built added to the JVM
+    options (``cdc_assets.lake.class_archive``; none when it is missing or the options name their own)."""
     jars = [*delta_jars(), *object_store_jars(lake_root)]
-    return {
+    conf = {
         **BASE_CONF,
         DRIVER_MEMORY: default_driver_memory(),
         "spark.jars": ",".join(jars),
         **object_store_conf(lake_root),
         **config.conf,
     }
+    if use_class_archive:
+        conf[DRIVER_JAVA_OPTIONS] = with_class_archive(conf.get(DRIVER_JAVA_OPTIONS, ""), class_archive_path())
+    return conf
 
 
-def spark_session(config: SparkConfig, lake_root: str | os.PathLike[str] | None = None) -> SparkSession:
-    """The process's Spark session for ``config`` and a lake at ``lake_root`` (see the module's contract)."""
+def spark_session(
+    config: SparkConfig, lake_root: str | os.PathLike[str] | None = None, use_class_archive: bool = True
+) -> SparkSession:
+    """The process's Spark session for ``config`` and a lake at ``lake_root`` (see the module's contract);
+    ``use_class_archive``: ``driver_conf``'s."""
     if config.remote:
         builder = SparkSession.builder.remote(config.remote)
         for key, value in config.conf.items():
@@ -213,7 +230,7 @@ def spark_session(config: SparkConfig, lake_root: str | os.PathLike[str] | None 
     # and YARN set it: the big-value stream test's JVM peaked at 6.9 GB with it, 7.2-7.3 GB without (two runs each)
     os.environ.setdefault("MALLOC_ARENA_MAX", "2")
     builder = SparkSession.builder.master(config.master).appName("cdc-lake")
-    conf = driver_conf(config, lake_root)
+    conf = driver_conf(config, lake_root, use_class_archive)
     for key, value in conf.items():
         builder = builder.config(key, value)
     session = builder.getOrCreate()
