@@ -15,7 +15,7 @@ Contract:
   own build and the classpath, and when they differ (a JDK upgraded since ``scripts/setup.sh``) it prints one warning
   ("Unable to use shared archive") and loads classes as without an archive.
 - ``archive_is_stale(archive, files)``: no archive, or one older than any of ``files`` (the jars on the driver's
-  classpath, the ``java`` binary).
+  classpath, the ``java`` binary), by their modification or inode change time (a reinstalled file).
 - The archive is an optimisation only: classes it lacks load as usual, nothing else in the JVM changes. The
   executors of a cluster master (``spark.executor.extraJavaOptions``) do not use it; only a local driver does.
 """
@@ -42,8 +42,9 @@ def with_class_archive(options: str, archive: Path | None) -> str:
 
 
 def archive_is_stale(archive: Path, files: list[Path]) -> bool:
-    """No archive at ``archive``, or one older than any of ``files``."""
+    """No archive at ``archive``, or one older than any of ``files``: modified or put in place (inode change time: a
+    package manager keeps a file's modification time from the package, older than an archive made before) after it."""
     if not archive.is_file():
         return True
     made = archive.stat().st_mtime
-    return any(f.stat().st_mtime > made for f in files if f.exists())
+    return any(max(f.stat().st_mtime, f.stat().st_ctime) > made for f in files if f.exists())

@@ -37,8 +37,14 @@ def test_an_archive_is_stale_when_missing_or_older_than_a_file_it_was_made_from(
     jar.write_bytes(b"jar")
     assert archive_is_stale(archive, [jar])
     archive.write_bytes(b"archive")
-    os.utime(jar, (time.time() - 60, time.time() - 60))
+    os.utime(archive, (time.time() + 30, time.time() + 30))  # made after the jar was put in place
     assert not archive_is_stale(archive, [jar, tmp_path / "gone.jar"])
+    installed = tmp_path / "b.jar"  # a package's file: put in place now, modified long ago
+    installed.write_bytes(b"jar")
+    os.utime(installed, (time.time() - 86400, time.time() - 86400))
+    os.utime(archive, (time.time() - 60, time.time() - 60))
+    assert archive_is_stale(archive, [installed])
+    os.utime(archive, (time.time() + 30, time.time() + 30))
     os.utime(jar, (time.time() + 60, time.time() + 60))  # the jar replaced after the archive was made
     assert archive_is_stale(archive, [jar])
 
