@@ -13,7 +13,9 @@ before they look, 1 GB of 10 MB values, and after small rows up to 10000), so a 
 (a row group is cut by its compressed size: ``big_batch_conf`` makes those small for rows of big values).
 ``remote`` connects to a Spark Connect server instead of starting a driver. A local driver loads the Delta jars that
 ``scripts/setup.sh`` fetched with Maven into ``.jars/`` (or the folder named by ``CDC_JARS_DIR``);
-Python workers run the driver's interpreter unless ``PYSPARK_PYTHON`` says otherwise. ``session_conf(spark,
+Python workers run the driver's interpreter unless ``PYSPARK_PYTHON`` says otherwise. A local driver maps the class
+archive ``scripts/setup.sh`` built beside those jars (``cdc_assets.lake.class_archive``: its JVM options get
+``-XX:SharedArchiveFile`` unless they name their own archive or ``-Xshare:off``). ``session_conf(spark,
 settings)`` sets ``settings`` in the session's conf for the duration of a block, then restores the previous values.
 
 An object store lake: ``spark_session(config, lake_root)`` with an ``s3a://bucket/prefix`` lake root (a ``str``:
@@ -52,10 +54,10 @@ from cdc_assets.lake.object_store import endpoint_from_env, location_scheme, reg
 ROOT = Path(__file__).resolve().parents[2]
 
 DERBY_OPTION = "-Dderby.system.home=/tmp/cdc-derby"
+DRIVER_JAVA_OPTIONS = "spark.driver.extraJavaOptions"
 # for a driver that lives seconds to minutes (a test's runs, the torture harness's workers): C1-only JIT and the
 # serial collector start and warm up about twice as fast on a small machine (a torture run's workers: 235 CPU-s
 # against 300 with the tiered JIT); ``spark.driver.extraJavaOptions`` in ``cdc.yaml`` takes it
-DRIVER_JAVA_OPTIONS = "spark.driver.extraJavaOptions"
 SHORT_LIVED_DRIVER_OPTIONS = f"{DERBY_OPTION} -XX:TieredStopAtLevel=1 -XX:+UseSerialGC"
 # The throughput collector rather than G1 (Java 17's default): Spark's row work is batch work, and on 2 cores G1's
 # concurrent threads compete with it. bench.stream's Spark side measured about 10% faster with it, cold and warm.
