@@ -60,8 +60,9 @@ if [[ ",${EXTRAS:-}," == *",s3,"* ]] \
   (cd jvm/s3 && mvn -q -B dependency:copy-dependencies -DoutputDirectory=../../.jars/s3 -DincludeScope=runtime)
   touch .jars/s3/.complete
 fi
-# the Spark driver's class archive (cdc_assets/lake/class_archive.py, built by build_class_archive.py: Spark's and Delta's classes parsed once, mapped
-# by every driver after; about a minute to build), again when a jar on the driver's classpath or java is newer
+# the Spark driver's class archive (cdc_assets/lake/class_archive.py, built by build_class_archive.py: Spark's and
+# Delta's classes parsed once, mapped by every driver after; about a minute to build), again when a jar on the
+# driver's classpath or java is newer
 .venv/bin/python -m cdc_assets.lake.build_class_archive --if-stale \
   || echo "warning: the Spark class archive was not built; drivers start without it (slower, nothing else)" >&2
 echo "setup complete: .venv and .jars ready"

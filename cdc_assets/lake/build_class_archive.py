@@ -39,7 +39,8 @@ def classpath_files() -> list[Path]:
     import pyspark
 
     files = sorted((Path(pyspark.__file__).parent / "jars").glob("*.jar")) + sorted(jars_folder().glob("*.jar"))
-    java = shutil.which("java", path=os.environ.get("JAVA_HOME", "") + "/bin:" + os.environ.get("PATH", ""))
+    java_home = os.environ.get("JAVA_HOME")  # the java Spark's launcher runs: $JAVA_HOME/bin/java, else PATH's
+    java = str(Path(java_home) / "bin" / "java") if java_home else shutil.which("java")
     if java:
         files.append(Path(java).resolve())
     return files

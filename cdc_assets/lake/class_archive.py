@@ -47,4 +47,11 @@ def archive_is_stale(archive: Path, files: list[Path]) -> bool:
     if not archive.is_file():
         return True
     made = archive.stat().st_mtime
-    return any(max(f.stat().st_mtime, f.stat().st_ctime) > made for f in files if f.exists())
+    for file in files:
+        try:
+            status = file.stat()
+        except FileNotFoundError:
+            continue
+        if max(status.st_mtime, status.st_ctime) > made:
+            return True
+    return False
