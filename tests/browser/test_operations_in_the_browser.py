@@ -24,7 +24,8 @@ import subprocess
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import pytest
 from dagster import AssetKey, DagsterEventType, DagsterRunStatus, RunsFilter
@@ -293,41 +294,79 @@ def choose_backfill_action(page: Page, action: str) -> None:
     page.get_by_role("menuitem", name=action).click()
 
 
+def run_pid(instance, run_id: str) -> int | None:
+    """The pid of a run's process, from the engine event Dagster writes when it starts it."""
+    for entry in instance.all_logs(run_id, of_type=DagsterEventType.ENGINE_EVENT):
+        found = re.search(r"Started process for run \(pid: (\d+)\)", entry.message or "")
+        if found:
+            return int(found.group(1))
+    return None
+
+
+def wait_for(what: str, probe: Callable[[], object], timeout_seconds: float) -> object:
+    deadline = time.monotonic() + timeout_seconds
+    while not (found := probe()):
+        assert time.monotonic() < deadline, f"{what}: not within {timeout_seconds} s"
+        time.sleep(2)
+    return found
+
+
+@contextmanager
+def stream_held(ui: DagsterUi) -> Iterator[None]:
+    """The stream run in flight stopped (SIGSTOP) for the block, resumed (SIGCONT) after it: the stream of a source
+    that is slow to pass a window, held on purpose. Its process keeps its SQL session and pool slot; it peeks the
+    slot with SQL functions (no replication connection that a ``wal_sender_timeout`` would end)."""
+    with ui.instance() as instance:
+        in_flight = RunsFilter(job_name=stream_job_name(SOURCE), statuses=[DagsterRunStatus.STARTED])
+        run = wait_for("a stream run in flight", lambda: instance.get_run_records(in_flight, limit=1), 300)[0]
+        pid = wait_for("its pid", lambda: run_pid(instance, run.dagster_run.run_id), 60)
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+
 def test_a_twenty_chunk_snapshot_paused_from_the_ui_resumes_with_only_the_chunks_not_done(
     dagster_ui: DagsterUi, page: Page, spark: SparkSession
 ) -> None:
     """Pause and resume of a long snapshot (Debezium's pause-snapshot and resume-snapshot): a backfill of all 20
     chunks of order_lines (10 chunks a run, a backfill's runs one at a time) is cancelled from the UI once its first
-    run's snapshot step materialized its chunks; the second run, queued behind it, never reads. "Re-execute from
-    failure" then launches a backfill of the 10 chunks not materialized. Every chunk is materialized exactly once,
-    the first run's chunks are never read again, the stream kept running throughout, and the mirror equals the
-    source."""
+    run's snapshot step materialized its chunks; the first run is cancelled in its check step, the second, queued
+    behind it, never reads. "Re-execute from failure" then launches a backfill of the 10 chunks not materialized.
+    Every chunk is materialized exactly once, the first run's chunks are never read again, the stream records
+    batches again once let go, and the mirror equals the source.
+
+    The stream is held (``stream_held``) from the launch until the backfill is cancelled. The first run's check
+    step waits for the stream to pass its chunks' windows, so that run is still in flight when the backfill daemon
+    acts on the cancel: the UI's "Cancel backfill" only marks the backfill canceling, and the daemon cancels its
+    runs at its next iteration (every 30 s). Without the hold, a CI run's first run ended and the second read all
+    its chunks before the daemon acted (20 chunks materialized, not 10)."""
     name, asset_key = "public.order_lines", AssetKey([SOURCE, "public", "order_lines"])
     page.goto(f"{dagster_ui.url}/assets/{SOURCE}/public/order_lines?view=partitions")
     wait_until_shown(page, page.get_by_text("Missing (20)", exact=True), PLANNER_TIMEOUT_MS)
     stream_before = latest_offset_event(dagster_ui)
     known = set(backfill_ids(dagster_ui))
-    first = launch_backfill(page, lambda dialog: dialog.get_by_role("button", name="All", exact=True).click(), 20)
-
-    # pause once the first run's snapshot step has materialized its 10 chunks: its check step then waits for the
-    # stream, and the second run waits for it (one run of a backfill at a time). Waiting for the whole first run
-    # left too little time in a suite run: the second run's snapshot step was done 23 s later, before the click.
-    page.goto(f"{dagster_ui.url}/runs/b/{first}")
-    deadline = time.monotonic() + BACKFILL_TIMEOUT_MS / 1000
-    while len(materialized_partitions(dagster_ui, asset_key)) < 10:
-        assert time.monotonic() < deadline, f"backfill {first} materialized no chunk"
-        assert not any(r.status == DagsterRunStatus.FAILURE for r in backfill_runs(dagster_ui, first))
-        time.sleep(1)
-    choose_backfill_action(page, "Cancel backfill")
-    page.get_by_role("dialog").get_by_role("button", name="Cancel backfill").click()
-    status = wait_for_backfill(page, dagster_ui, first)
-    expect(status).to_have_text("Canceled")
-    screenshot(page, "3-snapshot-paused")
-    paused = materialized_partitions(dagster_ui, asset_key)
+    with stream_held(dagster_ui):
+        first = launch_backfill(page, lambda dialog: dialog.get_by_role("button", name="All", exact=True).click(), 20)
+        # pause once the first run's snapshot step has materialized its 10 chunks (its check step then waits for
+        # the held stream, and the second run waits for it: one run of a backfill at a time)
+        page.goto(f"{dagster_ui.url}/runs/b/{first}")
+        deadline = time.monotonic() + BACKFILL_TIMEOUT_MS / 1000
+        while len(materialized_partitions(dagster_ui, asset_key)) < 10:
+            assert time.monotonic() < deadline, f"backfill {first} materialized no chunk"
+            assert not any(r.status == DagsterRunStatus.FAILURE for r in backfill_runs(dagster_ui, first))
+            time.sleep(1)
+        choose_backfill_action(page, "Cancel backfill")
+        page.get_by_role("dialog").get_by_role("button", name="Cancel backfill").click()
+        status = wait_for_backfill(page, dagster_ui, first)
+        expect(status).to_have_text("Canceled")
+        screenshot(page, "3-snapshot-paused")
+        paused = materialized_partitions(dagster_ui, asset_key)
+        statuses = [r.status.value for r in backfill_runs(dagster_ui, first)]
     assert len(paused) == 10 and set(paused.values()) == {1}, paused  # the first run's chunks, nothing else
-    # the first run cancelled in its check step (or done with it), the second cancelled before it read anything
-    statuses = sorted(r.status.value for r in backfill_runs(dagster_ui, first))
-    assert statuses in (["CANCELED", "CANCELED"], ["CANCELED", "SUCCESS"]), statuses
+    # the first run cancelled in its check step, the second cancelled before it started
+    assert statuses == ["CANCELED", "CANCELED"], statuses
 
     page.goto(f"{dagster_ui.url}/runs/b/{first}")
     choose_backfill_action(page, "Re-execute from failure")
@@ -350,7 +389,7 @@ def test_a_twenty_chunk_snapshot_paused_from_the_ui_resumes_with_only_the_chunks
     first_run_chunks = {chunk_index(key) for key in paused}
     assert all(staged[i] == 1 for i in first_run_chunks), staged  # never read again after the pause
     assert {e.window.chunk for e in events if e.event == RECONCILED} == set(range(20))
-    assert latest_offset_event(dagster_ui) != stream_before  # the stream kept recording batches
+    assert latest_offset_event(dagster_ui) != stream_before  # the stream recorded batches once let go
     source, table = captured(dagster_ui, name)
     expected = source_rows(source, table)
     assert len(expected) == 600
@@ -383,23 +422,6 @@ def test_the_stream_asset_plots_its_lag_and_its_lag_check_says_within_bounds(dag
         instance.dispose()
     lags = [r.asset_observation.metadata for r in observations if r.asset_observation is not None]
     assert len(lags) >= 3 and all({"lag_bytes", "lag_seconds"} <= set(m) for m in lags), lags[:3]
-
-
-def run_pid(instance, run_id: str) -> int | None:
-    """The pid of a run's process, from the engine event Dagster writes when it starts it."""
-    for entry in instance.all_logs(run_id, of_type=DagsterEventType.ENGINE_EVENT):
-        found = re.search(r"Started process for run \(pid: (\d+)\)", entry.message or "")
-        if found:
-            return int(found.group(1))
-    return None
-
-
-def wait_for(what: str, probe: Callable[[], object], timeout_seconds: float) -> object:
-    deadline = time.monotonic() + timeout_seconds
-    while not (found := probe()):
-        assert time.monotonic() < deadline, f"{what}: not within {timeout_seconds} s"
-        time.sleep(2)
-    return found
 
 
 def test_a_stream_run_killed_by_sigkill_fails_and_the_next_one_gets_its_pool_slot(
