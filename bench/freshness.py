@@ -362,8 +362,9 @@ def workload_batches(result: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
 def report(result: dict[str, Any], args: argparse.Namespace) -> None:
     changes = result["latencies"]
     lines = []
-    for part in ("latency", "wait", "launch", "startup", "batch"):
-        values = [c[part] for c in changes if part in c]
+    parts = ("latency", "wait", "launch", "startup", "batch")
+    timed = {part: [c[part] for c in changes if part in c] for part in parts}
+    for part, values in timed.items():
         mean = sum(values) / len(values) if values else None
         lines.append([part, len(values), mean, percentile(values, 50), percentile(values, 95),
                       max(values, default=None), min(values, default=None)])  # fmt: skip
@@ -381,36 +382,42 @@ def report(result: dict[str, Any], args: argparse.Namespace) -> None:
     gaps = [b["created"] - a["created"] for a, b in itertools.pairwise(runs)]
     print(f"  workload: {result['changes']:,} changes; rows timed (inserts + updates): {len(changes):,}, "
           f"without a matching run: {result['unmatched']}")  # fmt: skip
-    batch_seconds = [b["seconds"] for r in runs for b in batches_by_run[r["run_id"]]]
+    workload = [b for r in runs for b in batches_by_run[r["run_id"]]]
+    batch_seconds = [b["seconds"] for b in workload]
     batch_p50 = percentile(batch_seconds, 50) or 0.0
     first = sum(1 for c in changes if c.get("first_batch"))
     print(f"  stream runs during the workload: {len(runs)} with {len(batch_seconds)} batches; between run creations "
           f"p50 {percentile(gaps, 50) or 0:.1f} s; batch seconds p50 {batch_p50:.1f}; rows applied by a run's first "
           f"batch (launch + Spark start-up paid): {first}")  # fmt: skip
     print(f"  initial snapshot (planner + snapshot runs + reconciliation) took {result['initial_seconds']:.0f} s")
-    workload = [b for r in runs for b in batches_by_run[r["run_id"]]]
+    columns = phase_columns(workload)
     print()
     print_table(
         "Where a workload batch's seconds go (each batch's phases, from its materialization's seconds_<phase>)",
         ["phase", "batches", "p50", "p95", "mean", "share of batch seconds"],
-        phase_rows(workload),
+        phase_rows(columns),
     )
-    latency_p95 = percentile([c["latency"] for c in changes if "latency" in c], 95)
-    print(target_line(latency_p95, workload))
+    print(target_line(percentile(timed["latency"], 95), columns))
     for run_id, message in result["failed_runs"].items():
         print(f"  failed run {run_id}: {message}")
     plot(result)
 
 
-def phase_rows(batches: list[dict[str, Any]]) -> list[list[Any]]:
-    """Per phase of the stream's batches (read, changelog, merge, reconcile, in the order the batches name them),
-    then ``other`` (the batch's seconds the phases do not cover: offset bookkeeping, spill clean-up) and the whole
-    batch: how many batches, p50, p95, mean, and the phase's share of all the batches' seconds."""
-    names = list(dict.fromkeys(name for b in batches for name in b.get("phases", {})))
-    total = sum(b["seconds"] for b in batches)
-    columns = {name: [b.get("phases", {}).get(name, 0.0) for b in batches] for name in names}
-    columns["other"] = [max(0.0, b["seconds"] - sum(b.get("phases", {}).values())) for b in batches]
+def phase_columns(batches: list[dict[str, Any]]) -> dict[str, list[float]]:
+    """Each batch's seconds per phase of the stream's batches (read, changelog, merge, reconcile, in the order the
+    batches name them), then ``other`` (the batch's seconds the phases do not cover: offset bookkeeping, spill
+    clean-up) and ``batch`` (the whole batch)."""
+    names = list(dict.fromkeys(name for b in batches for name in b["phases"]))
+    columns = {name: [b["phases"].get(name, 0.0) for b in batches] for name in names}
+    columns["other"] = [max(0.0, b["seconds"] - sum(b["phases"].values())) for b in batches]
     columns["batch"] = [b["seconds"] for b in batches]
+    return columns
+
+
+def phase_rows(columns: dict[str, list[float]]) -> list[list[Any]]:
+    """Per column of ``phase_columns``: how many batches, p50, p95, mean, and its share of all the batches'
+    seconds."""
+    total = sum(columns["batch"])
     rows = []
     for name, values in columns.items():
         mean = sum(values) / len(values) if values else None
@@ -419,14 +426,13 @@ def phase_rows(batches: list[dict[str, Any]]) -> list[list[Any]]:
     return rows
 
 
-def target_line(latency_p95: float | None, batches: list[dict[str, Any]]) -> str:
+def target_line(latency_p95: float | None, columns: dict[str, list[float]]) -> str:
     """Issue 30's target 5 (p95 commit-to-mirror latency at most ``FRESHNESS_TARGET_SECONDS``), met or not, with the
     floor that shows why: a change waits for the batch in flight, then goes through its own batch, whose MERGE
     (Delta's, the ``merge`` phase) is the part no setting removed."""
     if latency_p95 is None:
         return "  target 5 (p95 latency): nothing timed"
-    merge = [b.get("phases", {}).get("merge", 0.0) for b in batches]
-    seconds = [b["seconds"] for b in batches]
+    merge, seconds = columns.get("merge", []), columns["batch"]
     verdict = "met" if latency_p95 <= FRESHNESS_TARGET_SECONDS else "not met"
     return (
         f"  target 5 (p95 latency <= {FRESHNESS_TARGET_SECONDS:g} s): {verdict}, p95 {latency_p95:.2f} s; a batch's "
