@@ -18,8 +18,10 @@ deterministic, so a seed fixes the workload's recipe, not its exact interleaving
    every supported column type, a read-only role, the publication, the pipeline's slot and an oracle slot).
 2. **Workload.** The source's workload threads (PostgreSQL: inserts, updates, deletes, primary-key updates,
    delete-then-reinsert, savepoints, multi-row updates, TOAST changes, long transactions spanning many chunk
-   windows) run ``--duration`` seconds, and at least until every chunk was snapshotted once; the source's schema
-   events (PostgreSQL: ``ALTER TABLE ADD COLUMN`` twice, ``TRUNCATE``) happen at seeded points of it.
+   windows) run ``--duration`` seconds, at least until every chunk was snapshotted once and at least until
+   ``--min-transactions`` write transactions were committed (so a seed's amount of work does not depend on how fast
+   the machine snapshots: on a fast one the chunks were done after 214 transactions, on another after 810); the
+   source's schema events (PostgreSQL: ``ALTER TABLE ADD COLUMN`` twice, ``TRUNCATE``) happen at seeded points of it.
 3. **Pipeline.** Worker subprocesses (``--worker``, one Spark driver each, ``local[2,4]``, kept across runs and
    seeds like a long-lived Spark session; a killed one is replaced by a new process): ``--snapshot-workers``
    processes snapshot all chunks in parallel (groups of 1-3 chunks per run, then random re-snapshots while the
@@ -440,6 +442,7 @@ class WorkerPool:
 class Options:
     source: str
     duration: float
+    min_transactions: int
     broken: bool
     faults: bool
     snapshot_workers: int
@@ -455,6 +458,14 @@ class Options:
     drop_failed: bool
     run_seed: str
     patched: bool
+
+
+def workload_done(
+    elapsed: float, duration: float, initial_runs_left: int, transactions: int, min_transactions: int
+) -> bool:
+    """Contract: a seed's workload stops once it lasted ``duration`` seconds, every chunk was snapshotted once (no
+    initial snapshot run left) and at least ``min_transactions`` write transactions were committed; all three."""
+    return elapsed >= duration and initial_runs_left <= 0 and transactions >= min_transactions
 
 
 @dataclass
@@ -689,9 +700,9 @@ class SeedRun:
         for thread in snapshots:
             thread.start()
         log(f"seed {self.seed}: plans {plans}, {len(groups)} initial snapshot runs, workload started")
-        # the workload lasts `duration` and at least until every chunk was snapshotted once
         while self.failure is None and not self.ctx.errors:
-            if time.monotonic() - started >= duration and self.initial_left <= 0:
+            elapsed, transactions = time.monotonic() - started, self.ctx.tally.transactions
+            if workload_done(elapsed, duration, self.initial_left, transactions, self.options.min_transactions):
                 break
             time.sleep(0.5)
         self.ctx.stop.set()
@@ -796,6 +807,12 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--seeds", default="1", help="seeds: '1-5', '3' or '1,4,9'")
     parser.add_argument("--source", choices=SOURCE_KINDS, default="postgres", help="the source database's kind")
     parser.add_argument("--duration", type=float, default=60, help="workload seconds per seed (at least)")
+    parser.add_argument(
+        "--min-transactions",
+        type=int,
+        default=0,
+        help="the workload lasts at least until this many write transactions were committed",
+    )
     parser.add_argument("--broken-reconciliation", action="store_true",
                         help="stream workers treat every transaction as settled: the checks must fail")  # fmt: skip
     parser.add_argument("--no-faults", action="store_true", help="no SIGKILLs, executor losses or restarts")
@@ -824,6 +841,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     options = Options(
         source=args.source,
         duration=args.duration,
+        min_transactions=args.min_transactions,
         broken=args.broken_reconciliation,
         faults=not args.no_faults,
         snapshot_workers=args.snapshot_workers,

@@ -40,8 +40,10 @@ def test_short_form_with_faults_passes(faulted_torture_run: BackgroundRun) -> No
     assert "pg-restart=1" in lines[901], output
     assert "killed_at_random=" in lines[901], output  # a chunk or stream run SIGKILLed at a random moment
     for line in lines.values():
+        transactions = int(re.search(r" transactions=(\d+)", line).group(1))  # type: ignore[union-attr]
+        assert transactions >= 250, line  # the short form's --min-transactions
         changes = int(re.search(r" changes=(\d+)", line).group(1))  # type: ignore[union-attr]
-        assert changes > 500, line
+        assert changes > 300, line
         largest = int(re.search(r" largest_value=(\d+)", line).group(1))  # type: ignore[union-attr]
         assert largest >= 1_000_000, line
 
@@ -65,6 +67,7 @@ def test_mongodb_short_form_with_faults_passes(mongodb_torture_run: Run) -> None
     assert "1 passed, 0 failed" in output
     assert int(re.search(r" faults=(\d+)", line.group(0)).group(1)) >= 1, line.group(0)  # type: ignore[union-attr]
     assert "restart" not in line.group(0), line.group(0)
+    assert int(re.search(r" transactions=(\d+)", line.group(0)).group(1)) >= 150, line.group(0)  # type: ignore[union-attr]
     assert int(re.search(r" changes=(\d+)", line.group(0)).group(1)) > 200, line.group(0)  # type: ignore[union-attr]
     largest = int(re.search(r" largest_value=(\d+)", line.group(0)).group(1))  # type: ignore[union-attr]
     assert largest >= 1_000_000, line.group(0)

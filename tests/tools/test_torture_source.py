@@ -99,6 +99,20 @@ def test_the_source_kind_brings_its_own_options(tmp_path) -> None:
         parse_args(["--mongo-port", "1"])  # a PostgreSQL run has no MongoDB options
 
 
+def test_the_workload_lasts_its_duration_every_first_snapshot_and_its_minimum_of_transactions() -> None:
+    """``--min-transactions``: the amount of work a seed does does not depend on how fast its chunks were snapshotted
+    (CI's run of the short form was done after 214 transactions, a slower machine's after 810)."""
+    from tools.torture import parse_args, workload_done
+
+    assert parse_args(["--seeds", "1"]).min_transactions == 0
+    assert parse_args(["--seeds", "1", "--min-transactions", "250"]).min_transactions == 250
+    assert workload_done(20.0, 20.0, 0, 250, 250)
+    assert not workload_done(19.9, 20.0, 0, 250, 250)  # the duration
+    assert not workload_done(60.0, 20.0, 1, 900, 250)  # an initial snapshot run left
+    assert not workload_done(60.0, 20.0, 0, 249, 250)  # too few transactions
+    assert workload_done(20.0, 20.0, 0, 0, 0)
+
+
 def test_compare_rows_names_the_first_differing_key_and_columns() -> None:
     columns = ["id", "name", "ratio"]
     source = {(1,): (1, "a", float("nan")), (2,): (2, "b", 1.5), (3,): (3, "c", 2.0)}
