@@ -15,6 +15,7 @@ from __future__ import annotations
 import pytest
 
 import cdc_assets.lake.adopt as adopt_module
+import cdc_assets.lake.mirror as mirror_module
 import cdc_assets.lake.watermark_window as watermark_window_module
 import cdc_assets.pipeline as pipeline_module
 from cdc_assets.dialect import Offset
@@ -48,6 +49,7 @@ def arm_faults(monkeypatch: pytest.MonkeyPatch) -> FaultPoints:
     monkeypatch.setattr(pipeline_module, "fault_point", points)
     monkeypatch.setattr(watermark_window_module, "fault_point", points)
     monkeypatch.setattr(adopt_module, "fault_point", points)
+    monkeypatch.setattr(mirror_module, "fault_point", points)
     return points
 
 

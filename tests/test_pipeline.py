@@ -186,7 +186,10 @@ def run_scenario(spark, tmp_path: Path, faults: FaultPoints, seed: int) -> tuple
     stream.batch(acknowledge=False)  # recorded, killed before the source was told
     writer.write(10)
     database.during_read = None
+    # the next batch dies between a mirror's MERGE of the keys it holds and its insert of the keys it lacks
+    faults.armed.add("stream.between_mirror_merges")
     stream.catch_up()
+    assert faults.fired[-1] == "stream.between_mirror_merges", faults.fired
     return pipeline, database
 
 

@@ -7,7 +7,9 @@ probability, drawn from ``random.Random(CDC_FAULT_SEED)``. Production never sets
 
 Points: ``snapshot.before_window_record`` (rows staged, window not recorded), ``stream.after_changelog`` (changelogs
 appended, mirrors not merged), ``stream.after_merge`` (a table's mirror merged, its fill window of unknown values
-not opened, later tables not merged), ``stream.after_lake_commit`` (lake written, offset not recorded),
+not opened, later tables not merged), ``stream.between_mirror_merges`` (a table's MERGE of the keys its mirror
+holds committed, the insert of the keys it lacks not: ``cdc_assets.lake.mirror.merge_net_changes``),
+``stream.after_lake_commit`` (lake written, offset not recorded),
 ``stream.after_offset_record`` (offset recorded, slot not advanced), ``stream.after_adopted_files`` (a
 reconciliation placed staged chunk files in a mirror's folder, its commit adding them not written:
 ``cdc_assets.lake.adopt``), ``stream.during_maintenance`` (lake upkeep between batches: a table's finished staged
@@ -28,6 +30,7 @@ POINTS = (
     "snapshot.before_window_record",
     "stream.after_changelog",
     "stream.after_merge",
+    "stream.between_mirror_merges",
     "stream.after_lake_commit",
     "stream.after_offset_record",
     "stream.during_maintenance",

@@ -1,0 +1,132 @@
+"""``merge_net_changes`` (through ``apply_changes``): the keys the mirror holds in one MERGE, the keys it lacks in an
+insert-only MERGE after it, skipped when every upsert updated a row; a batch killed between the two and re-applied
+ends as if applied once; ``key_range`` bounds a MERGE to the batch's keys only for types that survive the round trip.
+"""
+
+from __future__ import annotations
+
+from datetime import date, datetime
+from decimal import Decimal
+from pathlib import Path
+
+import pytest
+from delta.tables import DeltaTable
+from pyspark.sql import types as T
+
+import cdc_assets.lake.mirror as mirror_module
+from cdc_assets.lake.mirror import META_FIELDS, apply_changes, key_range
+from cdc_assets.sources.postgres.pg_values import UNREPRESENTABLE_COLUMN, PgColumn, spark_schema
+
+COLUMNS = [
+    PgColumn("id", 20, -1, "bigint", "N", None, None, True),
+    PgColumn("note", 25, -1, "text", "S", None, None, False),
+]
+TEXT_MAP = T.MapType(T.StringType(), T.StringType())
+IMAGE = T.StructType([T.StructField("id", T.LongType()), T.StructField("note", T.StringType()),
+                      T.StructField(UNREPRESENTABLE_COLUMN, TEXT_MAP)])  # fmt: skip
+CHANGES = T.StructType([
+    T.StructField("_cdc_op", T.StringType()), T.StructField("_cdc_position", T.LongType()),
+    T.StructField("_cdc_seq", T.LongType()), T.StructField("_cdc_ts", T.TimestampType()),
+    T.StructField("_cdc_unchanged", T.ArrayType(T.StringType())), T.StructField("after", IMAGE),
+    T.StructField("before", IMAGE),
+])  # fmt: skip
+MIRROR = T.StructType([*[T.StructField(f.name, f.dataType) for f in IMAGE.fields], *META_FIELDS])
+
+
+class Killed(Exception):
+    pass
+
+
+@pytest.fixture()
+def path(tmp_path: Path) -> str:
+    return str(tmp_path / "mirror")
+
+
+def mirror_of(spark, path: str, keys: range) -> None:
+    """A mirror of ``keys`` (note 'm<key>', position 10), written as a snapshot's appends lay it out (key order,
+    several files)."""
+    data = [(k, f"m{k}", None, "r", 10, None, None) for k in keys]
+    spark.createDataFrame(data, MIRROR).repartitionByRange(4, "id").write.format("delta").save(path)
+
+
+def apply(spark, path: str, changes: list[tuple[int, str, int, int | None]]) -> None:
+    """``changes``: (position, op, key, old key) with note 'n<position>'; a delete's key is its before image's."""
+    rows = [
+        (op, position, seq, None, [], None if op == "d" else (key, f"n{position}", None),
+         (key, None, None) if op == "d" else None if old_key is None else (old_key, None, None))
+        for seq, (position, op, key, old_key) in enumerate(changes)
+    ]  # fmt: skip
+    apply_changes(spark, path, spark.createDataFrame(rows, CHANGES), spark_schema(COLUMNS).fields, ["id"], set())
+
+
+def rows(spark, path: str) -> dict[int, tuple[str, int]]:
+    return {r["id"]: (r["note"], r["_cdc_position"]) for r in spark.read.format("delta").load(path).collect()}
+
+
+def operations(spark, path: str, since: int) -> list[str]:
+    history = DeltaTable.forPath(spark, path).history().where(f"version > {since}").orderBy("version").collect()
+    return [h["operation"] for h in history if h["operation"] != "SET TBLPROPERTIES"]  # the mirror's first use
+
+
+def version(spark, path: str) -> int:
+    return DeltaTable.forPath(spark, path).history(1).first()["version"]
+
+
+def test_updates_and_deletes_of_held_keys_are_one_commit_inserts_a_second(spark, path: str) -> None:
+    mirror_of(spark, path, range(1, 201))
+    before = version(spark, path)
+    apply(spark, path, [(20, "u", 5, None), (20, "d", 7, None), (21, "u", 150, None)])
+    assert operations(spark, path, before) == ["MERGE"]  # every upsert updated a row: nothing to insert
+    expected = {k: (f"m{k}", 10) for k in range(1, 201) if k != 7} | {5: ("n20", 20), 150: ("n21", 21)}
+    assert rows(spark, path) == expected
+    before = version(spark, path)
+    # an update, an insert of a new key, a key change into a new key, an insert deleted again in the batch
+    apply(spark, path, [(30, "u", 6, None), (30, "c", 500, None), (31, "u", 501, 8), (32, "c", 502, None),
+                        (33, "d", 502, None)])  # fmt: skip
+    assert operations(spark, path, before) == ["MERGE", "MERGE"]
+    del expected[8]
+    expected |= {6: ("n30", 30), 500: ("n30", 30), 501: ("n31", 31)}
+    assert rows(spark, path) == expected
+
+
+def test_a_batch_killed_between_the_two_merges_ends_as_if_applied_once(
+    spark, path: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    batch = [(40, "u", 3, None), (40, "d", 4, None), (41, "c", 900, None), (42, "u", 901, 9), (43, "u", 900, None)]
+    once = str(tmp_path / "once")
+    mirror_of(spark, once, range(1, 101))
+    apply(spark, once, batch)
+    mirror_of(spark, path, range(1, 101))
+
+    def kill(name: str) -> None:
+        if name == "stream.between_mirror_merges":
+            raise Killed(name)
+
+    monkeypatch.setattr(mirror_module, "fault_point", kill)
+    with pytest.raises(Killed):
+        apply(spark, path, batch)
+    half = rows(spark, path)
+    assert 900 not in half and 901 not in half and 9 not in half and 4 not in half  # held keys done, inserts not
+    assert half[3] == ("n40", 40)
+    monkeypatch.undo()
+    apply(spark, path, batch)  # the re-run of the batch
+    assert rows(spark, path) == rows(spark, once)
+    assert rows(spark, path)[900] == ("n43", 43)
+    before = version(spark, path)
+    apply(spark, path, batch)  # once more: nothing changes
+    assert rows(spark, path) == rows(spark, once)
+    assert operations(spark, path, before) == []  # nothing to update or insert: Delta commits neither MERGE
+
+
+def test_key_range_only_for_types_that_come_back_unchanged(spark) -> None:
+    for data_type, low, high in [(T.LongType(), 3, 9), (T.StringType(), "a", "zz"),
+                                 (T.DecimalType(12, 2), Decimal("1.10"), Decimal("9.99")),
+                                 (T.DateType(), date(2024, 1, 1), date(2024, 2, 1))]:  # fmt: skip
+        bounds = key_range("k", data_type, low, high)
+        assert bounds is not None
+        frame = spark.createDataFrame([(low,), (high,)], T.StructType([T.StructField("k", data_type)]))
+        assert frame.where(bounds).count() == 2, data_type
+        assert frame.where(~bounds).count() == 0, data_type
+    assert key_range("k", T.TimestampType(), datetime(2024, 1, 1), datetime(2024, 2, 1)) is None
+    assert key_range("k", T.DoubleType(), 1.0, 2.0) is None
+    assert key_range("k", T.LongType(), None, None) is None
