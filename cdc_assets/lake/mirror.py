@@ -97,7 +97,7 @@ from cdc_assets.lake import staging
 from cdc_assets.lake.adopt import adopt_windows
 from cdc_assets.lake.column_mapping import MODE as MAPPING_MODE
 from cdc_assets.lake.column_mapping import column_mapping_properties, enable_column_mapping, refused_names
-from cdc_assets.lake.delta_tables import clear_interrupted_create, table_or_none
+from cdc_assets.lake.delta_tables import clear_interrupted_create, table_or_none, table_state
 from cdc_assets.lake.retry import commit_with_retry
 from cdc_assets.lake.schema import UNREPRESENTABLE_COLUMN
 from cdc_assets.lake.settled import SettledRule
@@ -334,12 +334,13 @@ def apply_changes(
     deletes = deletes.withColumn("_key", F.col("_old_key"))
     events = upserts.unionByName(deletes)
 
+    # the mirror as it is now: the values of unchanged columns are resolved from this version, since the net changes
+    # are computed again by each statement of merge_net_changes, and the second one must not see the rows the first
+    # one deleted (a key change's old row)
+    found = table_state(spark, mirror, path)
     resolve = sorted(c for c in unchanged_columns if c in after_fields)
     if resolve:
-        # the mirror as it is now, pinned: the net changes are computed again by each of merge_net_changes's
-        # statements, and the second one must not see the rows the first one deleted (a key change's old row)
-        version = mirror.history(1).select("version").first()["version"]
-        events = _resolve_unchanged(spark, path, version, events, key_columns, resolve, after_fields)
+        events = _resolve_unchanged(spark, path, found.version, events, key_columns, resolve, after_fields)
     latest = Window.partitionBy("_key").orderBy(*[c.desc() for c in order])
     net = events.withColumn("_rank", F.row_number().over(latest)).where(F.col("_rank") == 1).drop("_rank")
 
@@ -375,40 +376,65 @@ def apply_changes(
         F.col("_cdc_ts"),
         F.when(F.size(unknown_names) > 0, unknown_names).alias("_cdc_unknown"),
     )
-    merge_net_changes(mirror, source, mirror_columns, key_columns, path)
+    two_statements = found.size_bytes >= TWO_STATEMENTS_FROM_BYTES
+    merge_net_changes(mirror, source, mirror_columns, key_columns, path, two_statements=two_statements)
     if not resolve:
         return []
     unknown_rows = spark.read.format("delta").load(path).where(F.col("_cdc_unknown").isNotNull())
     return [tuple(r) for r in unknown_rows.select(*[q(k) for k in key_columns]).collect()]
 
 
+# a mirror of this many bytes or more takes a batch in two statements (``merge_net_changes``); 10k updates and 2k
+# inserts: 10.8 s as one MERGE against 5.3 s as two at 900 MB (10M rows), 2.62 against 2.61 s at 140 MB (1M rows);
+# at 21 MB (the freshness bench's 50k rows) two statements made a batch's merge phase 3.21 s instead of 1.47 s
+TWO_STATEMENTS_FROM_BYTES = 256 * 1024 * 1024
+
+
 def merge_net_changes(
-    mirror: DeltaTable, net: DataFrame, mirror_columns: Sequence[str], key_columns: Sequence[str], path: str
+    mirror: DeltaTable,
+    net: DataFrame,
+    mirror_columns: Sequence[str],
+    key_columns: Sequence[str],
+    path: str,
+    two_statements: bool = False,
 ) -> None:
     """The MERGE of one batch's net changes into the mirror: one row per key, ``_k_<key>`` columns holding the key,
     ``_kind`` ``'u'`` (upsert) or ``'d'`` (delete), every mirror column by name. A row is written only over an older
     one (``_cdc_position``), so re-applying a batch changes nothing. ``bench.stream`` times this statement alone on
     the same batches, as the floor of what Delta does for a batch.
 
-    Contract: two statements, each one Delta commit. First a MERGE of the keys the mirror holds (matched only: a
-    delete or an update, each only over an older row), then a MERGE inserting the upserts whose key the mirror does
-    not hold (not matched only), skipped when every upsert of the batch updated a row in the first (Delta's own
-    count of the rows it updated), so a batch of updates to existing keys is one commit. Why not one MERGE with
-    both: delta-spark's MERGE with a not-matched clause joins the batch with the whole rows of every file it
-    touches (an outer join), and random keys touch every file; without that clause the join reads only the matched
-    rows, and an insert-only MERGE reads only the key columns (bench.mirror_size: 10k updates and 2k inserts into
-    10M rows took 10.8 s as one MERGE, 5.3 s as these two). Both statements also carry the batch's range of the
-    first key column (``key_range``) as a condition on the mirror alone, which lets Delta skip the files whose
-    statistics lie outside it (new keys of a sequence past every file's maximum; recent keys in the newest files).
-    A batch killed between the two (fault point ``stream.between_mirror_merges``) is re-applied whole: the first
-    MERGE then changes nothing and the second inserts what is missing, so the mirror ends as if one statement had
-    run. Between the two commits a reader of the mirror sees the batch's updates and deletes without its inserts:
-    each key's row is the result of a prefix of the stream, which is what the mirror promises (DESIGN.md allows
+    Contract: one MERGE (delete, update, insert), or, with ``two_statements`` (``apply_changes``: a mirror of
+    ``TWO_STATEMENTS_FROM_BYTES`` or more), two statements, each one Delta commit: a MERGE of the keys the mirror
+    holds (matched only: a delete or an update, each only over an older row), then a MERGE inserting the upserts
+    whose key the mirror does not hold (not matched only), skipped when every upsert of the batch updated a row in
+    the first (Delta's own count of the rows it updated), so a batch of updates to existing keys is one commit. Why:
+    delta-spark's MERGE with a not-matched clause joins the batch with the whole rows of every file it touches (an
+    outer join), and random keys touch every file; without that clause the join reads only the matched rows, and an
+    insert-only MERGE reads only the key columns (bench.mirror_size: 10k updates and 2k inserts into 10M rows took
+    10.8 s as one MERGE, 5.3 s as these two). Why not always: each statement has Delta's fixed cost, which a small
+    mirror's batch is mostly made of. Both statements carry the batch's range of the first key column
+    (``key_range``) as a condition on the mirror alone, which lets Delta skip the files whose statistics lie
+    outside it (new keys of a sequence past every file's maximum; recent keys in the newest files). A batch killed
+    between the two (fault point ``stream.between_mirror_merges``) is re-applied whole: the first MERGE then
+    changes nothing and the second inserts what is missing, so the mirror ends as if one statement had run.
+    Between the two commits a reader of the mirror sees the batch's updates and deletes without its inserts: each
+    key's row is the result of a prefix of the stream, which is what the mirror promises (DESIGN.md allows
     appending the keys the mirror cannot hold apart from the MERGE)."""
     match = F.expr(" and ".join(f"t.{q(k)} = s.{q('_k_' + k)}" for k in key_columns))
     assignments = {q(n): F.col(f"s.{q(n)}") for n in [*mirror_columns, UNREPRESENTABLE_COLUMN]}
     assignments |= {q(m): F.col(f"s.{m}") for m in ("_cdc_op", "_cdc_position", "_cdc_ts", "_cdc_unknown")}
     inserts = {**assignments, **{q(k): F.col(f"s.{q('_k_' + k)}") for k in key_columns}}
+    if not two_statements:
+        commit_with_retry(
+            lambda: mirror.alias("t")
+            .merge(net.alias("s"), match)
+            .whenMatchedDelete(condition="s._kind = 'd' and t._cdc_position < s._cdc_position")
+            .whenMatchedUpdate(condition="s._kind = 'u' and t._cdc_position < s._cdc_position", set=assignments)
+            .whenNotMatchedInsert(condition="s._kind = 'u'", values=inserts)
+            .execute(),
+            f"merge into {path}",
+        )
+        return
     first_key = key_columns[0]
     summary = net.agg(
         F.count_if(F.col("_kind") == "u").alias("upserts"),

@@ -8,10 +8,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from delta.tables import DeltaTable
 from pyspark.errors import AnalysisException
 from pyspark.sql import types as T
 
-from cdc_assets.lake.delta_tables import clear_interrupted_create
+from cdc_assets.lake.delta_tables import clear_interrupted_create, table_state
 from cdc_assets.lake.mirror import append_changelog, ensure_mirror, open_mirror
 
 FIELDS = [T.StructField("id", T.LongType()), T.StructField("v", T.StringType())]
@@ -61,3 +62,16 @@ def test_open_mirror_says_created_only_on_the_call_that_made_the_mirror(spark, t
     again = open_mirror(spark, mirror, FIELDS, key_columns=["id"])
     assert again.created is False
     assert again.table.toDF().count() == 1
+
+
+def test_table_state_from_delta_s_snapshot_and_from_the_public_api_agree(spark, tmp_path: Path) -> None:
+    """The version and bytes ``apply_changes`` decides by; a session without a JVM (Spark Connect) takes the public
+    ``history``/``detail`` path, which must say the same."""
+    path = str(tmp_path / "t")
+    spark.createDataFrame([(1, "a")], "id long, v string").write.format("delta").save(path)
+    spark.createDataFrame([(2, "b" * 5000)], "id long, v string").write.format("delta").mode("append").save(path)
+    table = DeltaTable.forPath(spark, path)
+    state = table_state(spark, table, path)
+    files = {f"{path}/{name.rsplit('/', 1)[-1]}" for name in spark.read.format("delta").load(path).inputFiles()}
+    assert (state.version, state.size_bytes) == (1, sum(Path(f).stat().st_size for f in files))
+    assert table_state(object(), table, path) == state  # type: ignore[arg-type]

@@ -38,7 +38,9 @@ class Killed(Exception):
 
 
 @pytest.fixture()
-def path(tmp_path: Path) -> str:
+def path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
+    """A mirror's path; every mirror of the test takes a batch in two statements (as one of 256 MB or more)."""
+    monkeypatch.setattr(mirror_module, "TWO_STATEMENTS_FROM_BYTES", 0)
     return str(tmp_path / "mirror")
 
 
@@ -108,7 +110,7 @@ def test_a_batch_killed_between_the_two_merges_ends_as_if_applied_once(
     half = rows(spark, path)
     assert 900 not in half and 901 not in half and 9 not in half and 4 not in half  # held keys done, inserts not
     assert half[3] == ("n40", 40)
-    monkeypatch.undo()
+    monkeypatch.setattr(mirror_module, "fault_point", lambda name: None)
     apply(spark, path, batch)  # the re-run of the batch
     assert rows(spark, path) == rows(spark, once)
     assert rows(spark, path)[900] == ("n43", 43)
@@ -116,6 +118,16 @@ def test_a_batch_killed_between_the_two_merges_ends_as_if_applied_once(
     apply(spark, path, batch)  # once more: nothing changes
     assert rows(spark, path) == rows(spark, once)
     assert operations(spark, path, before) == []  # nothing to update or insert: Delta commits neither MERGE
+
+
+def test_a_mirror_under_the_threshold_takes_a_batch_in_one_merge(spark, path: str, monkeypatch) -> None:
+    mirror_of(spark, path, range(1, 101))
+    monkeypatch.setattr(mirror_module, "TWO_STATEMENTS_FROM_BYTES", 256 * 1024 * 1024)
+    before = version(spark, path)
+    apply(spark, path, [(20, "u", 5, None), (20, "c", 500, None), (21, "u", 501, 6)])
+    assert operations(spark, path, before) == ["MERGE"]
+    expected = {k: (f"m{k}", 10) for k in range(1, 101) if k != 6} | {5: ("n20", 20), 500: ("n20", 20)}
+    assert rows(spark, path) == expected | {501: ("n21", 21)}
 
 
 def test_key_range_only_for_types_that_come_back_unchanged(spark) -> None:
