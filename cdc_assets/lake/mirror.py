@@ -35,9 +35,9 @@ Contract:
   batch bound lowered in between, can find the mirror rows of that attempt too new and leave such a value unknown;
   and a batch killed between its two MERGEs, ``merge_net_changes``, has deleted a key change's old row, so its
   re-run leaves the new key's unchanged values unknown). The mirror is written in two statements (the keys it
-  holds, then the keys it lacks: ``merge_net_changes``), each computing the net changes again, so the mirror rows
-  the values are resolved from are read at the version the batch found (``versionAsOf``), never one its own first
-  statement wrote.
+  holds, then the keys it lacks: ``merge_net_changes``) when it is big, each computing the net changes again, so
+  the mirror rows the values are resolved from are then read at the version the batch found (``versionAsOf``),
+  never one its own first statement wrote.
   ``apply_changes`` returns the keys of mirror rows with unknown values; the stream reads them in
   a fill window (below).
 - ``reconcile``: the DESIGN.md rule. For each closable window: drop staged keys that have any change (old or new
@@ -334,13 +334,15 @@ def apply_changes(
     deletes = deletes.withColumn("_key", F.col("_old_key"))
     events = upserts.unionByName(deletes)
 
-    # the mirror as it is now: the values of unchanged columns are resolved from this version, since the net changes
-    # are computed again by each statement of merge_net_changes, and the second one must not see the rows the first
-    # one deleted (a key change's old row)
+    # in two statements (a big mirror), the values of unchanged columns are resolved from the mirror's version now:
+    # each statement of merge_net_changes computes the net changes again, and the second one must not see the rows
+    # the first one deleted (a key change's old row)
     found = table_state(spark, mirror, path)
+    two_statements = found.size_bytes >= TWO_STATEMENTS_FROM_BYTES
     resolve = sorted(c for c in unchanged_columns if c in after_fields)
     if resolve:
-        events = _resolve_unchanged(spark, path, found.version, events, key_columns, resolve, after_fields)
+        pinned = found.version if two_statements else None
+        events = _resolve_unchanged(spark, path, pinned, events, key_columns, resolve, after_fields)
     latest = Window.partitionBy("_key").orderBy(*[c.desc() for c in order])
     net = events.withColumn("_rank", F.row_number().over(latest)).where(F.col("_rank") == 1).drop("_rank")
 
@@ -376,7 +378,6 @@ def apply_changes(
         F.col("_cdc_ts"),
         F.when(F.size(unknown_names) > 0, unknown_names).alias("_cdc_unknown"),
     )
-    two_statements = found.size_bytes >= TWO_STATEMENTS_FROM_BYTES
     merge_net_changes(mirror, source, mirror_columns, key_columns, path, two_statements=two_statements)
     if not resolve:
         return []
@@ -453,7 +454,7 @@ def merge_net_changes(
         .first(),
         f"merge into {path}",
     )
-    updated = None if outcome is None or "num_updated_rows" not in outcome else outcome["num_updated_rows"]
+    updated = None if outcome is None else outcome.asDict().get("num_updated_rows")
     if updated is not None and updated == summary["upserts"]:
         return  # every upsert updated a row the mirror holds: nothing to insert
     fault_point("stream.between_mirror_merges")
@@ -483,7 +484,7 @@ def key_range(column: str, data_type: T.DataType, low: Any, high: Any) -> Column
 def _resolve_unchanged(
     spark: SparkSession,
     path: str,
-    version: int,
+    version: int | None,
     events: DataFrame,
     key_columns: Sequence[str],
     names: Sequence[str],
@@ -504,7 +505,8 @@ def _resolve_unchanged(
     wanted = F.array(*[F.lit(n) for n in names])
     # the mirror's rows at the keys whose lineage may need them: a change leaving a TOAST column unchanged
     needed = events.where(F.arrays_overlap(unchanged_of, wanted)).select("_key").distinct()
-    mirror = spark.read.format("delta").option("versionAsOf", version).load(path)
+    reader = spark.read.format("delta")
+    mirror = (reader if version is None else reader.option("versionAsOf", version)).load(path)
     mirrored = mirror.select(
         F.struct(*[F.col(q(k)).alias(k) for k in key_columns]).alias("_key"),
         F.col("_cdc_position"),

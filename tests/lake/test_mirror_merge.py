@@ -74,11 +74,16 @@ def version(spark, path: str) -> int:
     return DeltaTable.forPath(spark, path).history(1).first()["version"]
 
 
-def test_updates_and_deletes_of_held_keys_are_one_commit_inserts_a_second(spark, path: str) -> None:
+def test_updates_and_deletes_of_held_keys_are_one_commit_inserts_a_second(
+    spark, path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    reached: list[str] = []  # the fault point between the two statements: reached only when the second one runs
+    monkeypatch.setattr(mirror_module, "fault_point", reached.append)
     mirror_of(spark, path, range(1, 201))
     before = version(spark, path)
     apply(spark, path, [(20, "u", 5, None), (20, "d", 7, None), (21, "u", 150, None)])
-    assert operations(spark, path, before) == ["MERGE"]  # every upsert updated a row: nothing to insert
+    assert operations(spark, path, before) == ["MERGE"]
+    assert reached == []  # every upsert updated a row: the insert statement was skipped
     expected = {k: (f"m{k}", 10) for k in range(1, 201) if k != 7} | {5: ("n20", 20), 150: ("n21", 21)}
     assert rows(spark, path) == expected
     before = version(spark, path)
@@ -86,6 +91,7 @@ def test_updates_and_deletes_of_held_keys_are_one_commit_inserts_a_second(spark,
     apply(spark, path, [(30, "u", 6, None), (30, "c", 500, None), (31, "u", 501, 8), (32, "c", 502, None),
                         (33, "d", 502, None)])  # fmt: skip
     assert operations(spark, path, before) == ["MERGE", "MERGE"]
+    assert reached == ["stream.between_mirror_merges"]
     del expected[8]
     expected |= {6: ("n30", 30), 500: ("n30", 30), 501: ("n31", 31)}
     assert rows(spark, path) == expected
