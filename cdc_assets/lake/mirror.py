@@ -83,7 +83,7 @@ from dataclasses import dataclass
 from functools import reduce
 from typing import Any
 
-from delta.tables import DeltaTable
+from delta.tables import DeltaMergeBuilder, DeltaTable
 from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql import types as T
@@ -425,14 +425,19 @@ def merge_net_changes(
     assignments = {q(n): F.col(f"s.{q(n)}") for n in [*mirror_columns, UNREPRESENTABLE_COLUMN]}
     assignments |= {q(m): F.col(f"s.{m}") for m in ("_cdc_op", "_cdc_position", "_cdc_ts", "_cdc_unknown")}
     inserts = {**assignments, **{q(k): F.col(f"s.{q('_k_' + k)}") for k in key_columns}}
-    if not two_statements:
-        commit_with_retry(
-            lambda: mirror.alias("t")
-            .merge(net.alias("s"), match)
+
+    def held_keys(condition: Column) -> DeltaMergeBuilder:
+        """The MERGE's clauses for the keys the mirror holds: delete or update, each only over an older row."""
+        return (
+            mirror.alias("t")
+            .merge(net.alias("s"), condition)
             .whenMatchedDelete(condition="s._kind = 'd' and t._cdc_position < s._cdc_position")
             .whenMatchedUpdate(condition="s._kind = 'u' and t._cdc_position < s._cdc_position", set=assignments)
-            .whenNotMatchedInsert(condition="s._kind = 'u'", values=inserts)
-            .execute(),
+        )
+
+    if not two_statements:
+        commit_with_retry(
+            lambda: held_keys(match).whenNotMatchedInsert(condition="s._kind = 'u'", values=inserts).execute(),
             f"merge into {path}",
         )
         return
@@ -445,15 +450,7 @@ def merge_net_changes(
     bounds = key_range(f"t.{q(first_key)}", net.schema[f"_k_{first_key}"].dataType, summary["low"], summary["high"])
     if bounds is not None:
         match = match & bounds
-    outcome = commit_with_retry(
-        lambda: mirror.alias("t")
-        .merge(net.alias("s"), match)
-        .whenMatchedDelete(condition="s._kind = 'd' and t._cdc_position < s._cdc_position")
-        .whenMatchedUpdate(condition="s._kind = 'u' and t._cdc_position < s._cdc_position", set=assignments)
-        .execute()
-        .first(),
-        f"merge into {path}",
-    )
+    outcome = commit_with_retry(lambda: held_keys(match).execute().first(), f"merge into {path}")
     updated = None if outcome is None else outcome.asDict().get("num_updated_rows")
     if updated is not None and updated == summary["upserts"]:
         return  # every upsert updated a row the mirror holds: nothing to insert
