@@ -33,7 +33,8 @@ deterministic, so a seed fixes the workload's recipe, not its exact interleaving
    (``merge_net_changes``'s path for mirrors of ``TWO_STATEMENTS_FROM_BYTES`` or more; the harness's are smaller).
 4. **Faults** (unless ``--no-faults``): workers run with ``CDC_FAULTS`` / ``CDC_FAULT_PROBABILITY`` /
    ``CDC_FAULT_SEED`` (snapshot: ``snapshot.before_window_record``; stream: ``stream.after_changelog``,
-   ``stream.after_merge``, ``stream.between_mirror_merges``, ``stream.after_lake_commit``,
+   ``stream.after_merge``, ``stream.between_mirror_merges``, ``stream.between_append_and_merge``,
+   ``stream.after_lake_commit``,
    ``stream.after_offset_record``, ``stream.during_maintenance``, ``stream.after_adopted_files``), so they are
    SIGKILLed at those points; a killed or failed run is re-run (as Dagster's retry policy would, up to 8 attempts).
    A **run kill**: a busy chunk run (twice per seed) and the stream run
@@ -109,7 +110,8 @@ from tools.torture_source import (  # noqa: E402
 SOURCE_KINDS = ("postgres", "mongodb")
 SNAPSHOT_POINTS = ("snapshot.before_window_record",)
 STREAM_POINTS = (
-    "stream.after_changelog", "stream.after_merge", "stream.between_mirror_merges", "stream.after_lake_commit",
+    "stream.after_changelog", "stream.after_merge", "stream.between_mirror_merges",
+    "stream.between_append_and_merge", "stream.after_lake_commit",
     "stream.after_offset_record", "stream.during_maintenance", "stream.after_adopted_files",
 )  # fmt: skip
 # SIGKILLs at a random moment of a busy run, per seed: chunk runs, stream runs

@@ -9,6 +9,8 @@ Points: ``snapshot.before_window_record`` (rows staged, window not recorded), ``
 appended, mirrors not merged), ``stream.after_merge`` (a table's mirror merged, its fill window of unknown values
 not opened, later tables not merged), ``stream.between_mirror_merges`` (a table's MERGE of the keys its mirror
 holds committed, the insert of the keys it lacks not: ``cdc_assets.lake.mirror.merge_net_changes``),
+``stream.between_append_and_merge`` (a table's append of keys above every key its mirror's files may hold
+committed, the MERGE of the batch's other keys not: ``cdc_assets.lake.mirror.apply_changes``),
 ``stream.after_lake_commit`` (lake written, offset not recorded),
 ``stream.after_offset_record`` (offset recorded, slot not advanced), ``stream.after_adopted_files`` (a
 reconciliation placed staged chunk files in a mirror's folder, its commit adding them not written:
@@ -31,6 +33,7 @@ POINTS = (
     "stream.after_changelog",
     "stream.after_merge",
     "stream.between_mirror_merges",
+    "stream.between_append_and_merge",
     "stream.after_lake_commit",
     "stream.after_offset_record",
     "stream.during_maintenance",

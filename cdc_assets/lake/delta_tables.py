@@ -17,10 +17,20 @@ failed 8 times ... DELTA_TABLE_NOT_FOUND").
 ``table_state(spark, table, path)``: the table's current version and the bytes of its files, from Delta's own
 snapshot (``DeltaLog.update``: about 10 ms in a warm driver) where the session has a JVM, else from the public
 ``history(1)`` and ``detail()`` (about 0.15 s together; a Spark Connect session).
+
+``column_upper_bound(spark, path, column)``: a value no row of the table's current files exceeds in ``column``,
+from Delta's file statistics (the greatest ``maxValues`` of the column over every file, a file's deleted rows
+included, so the bound may be above the greatest live value, never below it; a file whose values of the column
+are all NULL holds none): ``ColumnBound(known=True, value=None)`` when the table has no file (or only such files),
+``known=False`` when any other file lacks the column's maximum (statistics not collected on it, a file written
+without statistics), when the column's type is not one whose statistics are exact (integers, decimals, dates:
+strings' are truncated, floats have NaN) or when the session has no JVM to read Delta's snapshot with (an internal
+API: another Delta version may lack it). Column mapping: the statistics are read under the column's physical name.
 """
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 from dataclasses import dataclass
@@ -30,7 +40,9 @@ from urllib.parse import urlparse
 
 from delta.tables import DeltaTable
 from pyspark.errors import AnalysisException
-from pyspark.sql import SparkSession
+from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql import functions as F
+from pyspark.sql import types as T
 
 MISSING_TABLE_CONDITIONS = frozenset({"PATH_NOT_FOUND", "DELTA_TABLE_NOT_FOUND", "DELTA_MISSING_DELTA_TABLE"})
 
@@ -54,6 +66,50 @@ def table_state(spark: SparkSession, table: DeltaTable, path: str) -> TableState
             pass
     version = table.history(1).select("version").first()["version"]
     return TableState(int(version), int(table.detail().select("sizeInBytes").first()[0]))
+
+
+@dataclass(frozen=True)
+class ColumnBound:
+    known: bool
+    value: Any = None  # with ``known``: None when the table has no file
+
+
+UNKNOWN_BOUND = ColumnBound(False)
+EXACT_STATISTICS_TYPES = (T.IntegralType, T.DecimalType, T.DateType)
+PHYSICAL_NAME = "delta.columnMapping.physicalName"
+
+
+def column_upper_bound(spark: SparkSession, path: str, column: str) -> ColumnBound:
+    """The greatest value ``column`` may hold in the table's current files (module Contract)."""
+    jvm: Any = getattr(spark, "_jvm", None)
+    session = getattr(spark, "_jsparkSession", None)
+    if jvm is None or session is None:
+        return UNKNOWN_BOUND
+    try:
+        none = jvm.scala.Option.empty()
+        snapshot = jvm.org.apache.spark.sql.delta.DeltaLog.forTable(session, path).update(False, none, none)
+        if int(snapshot.numOfFiles()) == 0:
+            return ColumnBound(True)
+        schema = T.StructType.fromJson(json.loads(snapshot.schema().json()))
+        files = DataFrame(snapshot.allFiles().toDF(), spark)
+    except Exception:  # an internal API another Delta version may lack: no bound, the caller merges
+        return UNKNOWN_BOUND
+    field = next((f for f in schema.fields if f.name == column), None)
+    if field is None or not isinstance(field.dataType, EXACT_STATISTICS_TYPES):
+        return UNKNOWN_BOUND
+    physical = field.metadata.get(PHYSICAL_NAME, column)
+    stats = T.StructType([
+        T.StructField("numRecords", T.LongType()),
+        T.StructField("maxValues", T.StructType([T.StructField(physical, field.dataType)])),
+        T.StructField("nullCount", T.StructType([T.StructField(physical, T.LongType())])),
+    ])  # fmt: skip
+    parsed = F.from_json(F.col("stats"), stats)
+    highest = parsed["maxValues"][physical]
+    only_nulls = F.coalesce(parsed["nullCount"][physical] == parsed["numRecords"], F.lit(False))
+    row = files.agg(F.count_if(highest.isNull() & ~only_nulls).alias("without"), F.max(highest).alias("high")).first()
+    if row is None or row["without"]:
+        return UNKNOWN_BOUND
+    return ColumnBound(True, row["high"])
 
 
 def is_missing_table(error: AnalysisException) -> bool:

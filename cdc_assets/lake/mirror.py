@@ -78,7 +78,7 @@ Contract:
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import reduce
 from typing import Any
@@ -97,7 +97,14 @@ from cdc_assets.lake import staging
 from cdc_assets.lake.adopt import adopt_windows
 from cdc_assets.lake.column_mapping import MODE as MAPPING_MODE
 from cdc_assets.lake.column_mapping import column_mapping_properties, enable_column_mapping, refused_names
-from cdc_assets.lake.delta_tables import clear_interrupted_create, table_or_none, table_state
+from cdc_assets.lake.delta_tables import (
+    EXACT_STATISTICS_TYPES,
+    ColumnBound,
+    clear_interrupted_create,
+    column_upper_bound,
+    table_or_none,
+    table_state,
+)
 from cdc_assets.lake.retry import commit_with_retry
 from cdc_assets.lake.schema import UNREPRESENTABLE_COLUMN
 from cdc_assets.lake.settled import SettledRule
@@ -339,6 +346,7 @@ def apply_changes(
     # the first one deleted (a key change's old row)
     found = table_state(spark, mirror, path)
     two_statements = found.size_bytes >= TWO_STATEMENTS_FROM_BYTES
+    batch_events = events
     resolve = sorted(c for c in unchanged_columns if c in after_fields)
     if resolve:
         pinned = found.version if two_statements else None
@@ -378,11 +386,63 @@ def apply_changes(
         F.col("_cdc_ts"),
         F.when(F.size(unknown_names) > 0, unknown_names).alias("_cdc_unknown"),
     )
-    merge_net_changes(mirror, source, mirror_columns, key_columns, path, two_statements=two_statements)
+    first_key = key_columns[0]
+    above = None
+    if appendable_schema(source.schema, mirror.toDF().schema, key_columns):
+        above = above_bound(column_upper_bound(spark, path, first_key), mirror_types.get(first_key))
+    if above is None:
+        merge_net_changes(mirror, source, mirror_columns, key_columns, path, two_statements=two_statements)
+    else:
+        # counted on the batch's rows before any is resolved or ranked (its cached input, no shuffle): a key with a
+        # change above the bound has its net change there, one with a change at or below it has it there
+        above_first = F.coalesce(above(F.col("_key")[first_key]), F.lit(False))
+        counts = batch_events.agg(
+            F.count_if(above_first & (F.col("_kind") == "u")).alias("new"), F.count_if(~above_first).alias("held")
+        ).first()
+        new_key = F.coalesce(above(F.col(q(f"_k_{first_key}"))), F.lit(False))
+        if counts is not None and counts["new"]:
+            append_new_keys(mirror, source.where(new_key & (F.col("_kind") == "u")), key_columns, path)
+            fault_point("stream.between_append_and_merge")
+        if counts is None or counts["held"]:
+            merge_net_changes(
+                mirror, source.where(~new_key), mirror_columns, key_columns, path, two_statements=two_statements
+            )
     if not resolve:
         return []
     unknown_rows = spark.read.format("delta").load(path).where(F.col("_cdc_unknown").isNotNull())
     return [tuple(r) for r in unknown_rows.select(*[q(k) for k in key_columns]).collect()]
+
+
+def above_bound(bound: ColumnBound, data_type: T.DataType | None) -> Callable[[Column], Column] | None:
+    """The test "this first key column value lies above every value the mirror's files may hold" (so the mirror
+    holds no row of that key), or None when no such test is exact: the bound unknown (``column_upper_bound``), or a
+    type whose values do not go back to Spark as literals unchanged. A mirror without files holds no key: every
+    non-NULL value passes."""
+    if not bound.known or not isinstance(data_type, EXACT_STATISTICS_TYPES):
+        return None
+    if bound.value is None:
+        return lambda column: column.isNotNull()
+    limit = F.lit(bound.value).cast(data_type)
+    return lambda column: column > limit
+
+
+def appendable_schema(source: T.StructType, mirror: T.StructType, key_columns: Sequence[str]) -> bool:
+    """Whether ``append_new_keys`` can write ``source``'s rows as they are: every mirror column has its counterpart
+    (the key's ``_k_<key>``) of the same type, nullability aside. Otherwise (a type the source changed) the batch
+    goes through the MERGE, whose assignment casts by the table's rules."""
+    keys = set(key_columns)
+    types = {f.name: nullable(f.dataType) for f in source.fields}
+    return all(types.get(f"_k_{f.name}" if f.name in keys else f.name) == nullable(f.dataType) for f in mirror.fields)
+
+
+def append_new_keys(mirror: DeltaTable, new_rows: DataFrame, key_columns: Sequence[str], path: str) -> None:
+    """Append ``new_rows`` (net upserts, as ``merge_net_changes`` takes them, of keys the mirror holds no row of) as
+    the rows the MERGE's insert clause would write: the key from ``_k_<key>``, every other mirror column by name (of
+    the mirror's types: ``appendable_schema``). One Delta commit, no read of the mirror."""
+    keys = set(key_columns)
+    fields = mirror.toDF().schema.fields
+    rows = new_rows.select(*[F.col(q(f"_k_{f.name}" if f.name in keys else f.name)).alias(f.name) for f in fields])
+    commit_with_retry(lambda: rows.write.format("delta").mode("append").save(path), f"append new keys to {path}")
 
 
 # a mirror of this many bytes or more takes a batch in two statements (``merge_net_changes``); 10k updates and 2k

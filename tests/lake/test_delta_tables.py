@@ -1,10 +1,13 @@
 """``cdc_assets.lake.delta_tables``: a table whose creation was killed half-way is created by the next attempt.
 
 A process killed while ``DeltaTable.createIfNotExists`` ran can leave ``_delta_log`` without a commit; every later
-create then failed with ``DELTA_TABLE_NOT_FOUND`` (the MongoDB torture run's stream, in CI, eight times in a row)."""
+create then failed with ``DELTA_TABLE_NOT_FOUND`` (the MongoDB torture run's stream, in CI, eight times in a row).
+``column_upper_bound`` reads a column's greatest value from the files' statistics, or says it cannot."""
 
 from __future__ import annotations
 
+from datetime import date
+from decimal import Decimal
 from pathlib import Path
 
 import pytest
@@ -12,7 +15,7 @@ from delta.tables import DeltaTable
 from pyspark.errors import AnalysisException
 from pyspark.sql import types as T
 
-from cdc_assets.lake.delta_tables import clear_interrupted_create, table_state
+from cdc_assets.lake.delta_tables import ColumnBound, clear_interrupted_create, column_upper_bound, table_state
 from cdc_assets.lake.mirror import append_changelog, ensure_mirror, open_mirror
 
 FIELDS = [T.StructField("id", T.LongType()), T.StructField("v", T.StringType())]
@@ -75,3 +78,35 @@ def test_table_state_from_delta_s_snapshot_and_from_the_public_api_agree(spark, 
     files = {f"{path}/{name.rsplit('/', 1)[-1]}" for name in spark.read.format("delta").load(path).inputFiles()}
     assert (state.version, state.size_bytes) == (1, sum(Path(f).stat().st_size for f in files))
     assert table_state(object(), table, path) == state  # type: ignore[arg-type]
+
+
+def test_column_upper_bound_is_the_greatest_file_maximum_or_unknown(spark, tmp_path: Path) -> None:
+    path = str(tmp_path / "t")
+    schema = T.StructType([T.StructField("id", T.LongType()), T.StructField("name", T.StringType()),
+                           T.StructField("day", T.DateType()), T.StructField("amount", T.DecimalType(10, 2)),
+                           T.StructField("odd name", T.LongType())])  # fmt: skip
+    (DeltaTable.create(spark).location(path).addColumns(schema)
+     .property("delta.enableDeletionVectors", "true").property("delta.columnMapping.mode", "name")
+     .property("delta.minReaderVersion", "2").property("delta.minWriterVersion", "5").execute())  # fmt: skip
+    assert column_upper_bound(spark, path, "id") == ColumnBound(True, None)  # no file: no key held
+    first = [(1, "zz", date(2024, 1, 1), Decimal("1.50"), 40)]
+    second = [(7, "a", date(2024, 3, 1), Decimal("0.10"), 2), (3, "b", date(2023, 1, 1), None, 9)]
+    only_nulls = [(4, "c", None, None, 1)]  # a file whose day and amount are all NULL: it holds no value of them
+    for part in (first, second, only_nulls):
+        spark.createDataFrame(part, schema).coalesce(1).write.format("delta").mode("append").save(path)
+    assert column_upper_bound(spark, path, "id") == ColumnBound(True, 7)
+    assert column_upper_bound(spark, path, "day") == ColumnBound(True, date(2024, 3, 1))
+    assert column_upper_bound(spark, path, "amount") == ColumnBound(True, Decimal("1.50"))  # a file of NULLs: none
+    assert column_upper_bound(spark, path, "odd name") == ColumnBound(True, 40)  # a physical name in the statistics
+    assert column_upper_bound(spark, path, "name").known is False  # strings' statistics are truncated
+    assert column_upper_bound(spark, path, "missing").known is False
+    DeltaTable.forPath(spark, path).delete("id = 7")  # a deletion vector: the file's maximum still counts
+    assert column_upper_bound(spark, path, "id") == ColumnBound(True, 7)
+    bare = str(tmp_path / "bare")  # files written without column statistics: no bound
+    plain = T.StructType(schema.fields[:2])
+    spark.createDataFrame([(1, "x")], plain).write.format("delta").option("delta.dataSkippingNumIndexedCols", "0").save(
+        bare
+    )
+    spark.sql(f"ALTER TABLE delta.`{bare}` SET TBLPROPERTIES (delta.dataSkippingNumIndexedCols = 0)")
+    spark.createDataFrame([(2, "y")], plain).write.format("delta").mode("append").save(bare)
+    assert column_upper_bound(spark, bare, "id").known is False

@@ -1,10 +1,13 @@
 """``merge_net_changes`` (through ``apply_changes``): the keys the mirror holds in one MERGE, the keys it lacks in an
 insert-only MERGE after it, skipped when every upsert updated a row; a batch killed between the two and re-applied
 ends as if applied once; ``key_range`` bounds a MERGE to the batch's keys only for types that survive the round trip.
+Keys above every key the mirror's files may hold are appended before the MERGE of the others (none when there are
+none); a batch killed between the two, or applied twice, ends as if applied once, with no key twice.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from datetime import date, datetime
 from decimal import Decimal
 from pathlib import Path
@@ -44,10 +47,11 @@ def path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
     return str(tmp_path / "mirror")
 
 
-def mirror_of(spark, path: str, keys: range) -> None:
-    """A mirror of ``keys`` (note 'm<key>', position 10), written as a snapshot's appends lay it out (key order,
-    several files)."""
-    data = [(k, f"m{k}", None, "r", 10, None, None) for k in keys]
+def mirror_of(spark, path: str, keys: Sequence[int], top: int = 10_000) -> None:
+    """A mirror of ``keys`` and ``top`` (note 'm<key>', position 10), written as a snapshot's appends lay it out (key
+    order, several files). ``top``, above every key the tests write, keeps their new keys below the mirror's greatest
+    key: they go through the MERGE, not the append of keys above it (tests/lake/test_mirror_append.py)."""
+    data = [(k, f"m{k}", None, "r", 10, None, None) for k in sorted({*keys, top})]
     spark.createDataFrame(data, MIRROR).repartitionByRange(4, "id").write.format("delta").save(path)
 
 
@@ -62,7 +66,9 @@ def apply(spark, path: str, changes: list[tuple[int, str, int, int | None]]) -> 
 
 
 def rows(spark, path: str) -> dict[int, tuple[str, int]]:
-    return {r["id"]: (r["note"], r["_cdc_position"]) for r in spark.read.format("delta").load(path).collect()}
+    """The mirror's rows by key, without the ``top`` row of ``mirror_of``."""
+    found = spark.read.format("delta").load(path).where("id != 10000").collect()
+    return {r["id"]: (r["note"], r["_cdc_position"]) for r in found}
 
 
 def operations(spark, path: str, since: int) -> list[str]:
@@ -148,3 +154,106 @@ def test_key_range_only_for_types_that_come_back_unchanged(spark) -> None:
     assert key_range("k", T.TimestampType(), datetime(2024, 1, 1), datetime(2024, 2, 1)) is None
     assert key_range("k", T.DoubleType(), 1.0, 2.0) is None
     assert key_range("k", T.LongType(), None, None) is None
+
+
+def keys_held_once(spark, path: str) -> None:
+    mirror = spark.read.format("delta").load(path)
+    assert mirror.count() == mirror.select("id").distinct().count()
+
+
+def test_keys_above_every_mirror_key_are_appended_before_the_merge_of_the_others(
+    spark, path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    reached: list[str] = []
+    monkeypatch.setattr(mirror_module, "fault_point", reached.append)
+    mirror_of(spark, path, range(1, 101), top=200)
+    before = version(spark, path)
+    # inserts above the mirror's greatest key (200), one updated and one deleted again in the batch: one append
+    apply(spark, path, [(20, "c", 300, None), (20, "c", 301, None), (21, "u", 300, None), (22, "c", 302, None),
+                        (23, "d", 302, None)])  # fmt: skip
+    assert operations(spark, path, before) == ["WRITE"]
+    assert reached == ["stream.between_append_and_merge"]
+    expected = {k: (f"m{k}", 10) for k in [*range(1, 101), 200]} | {300: ("n21", 21), 301: ("n20", 20)}
+    assert rows(spark, path) == expected
+    # held keys too: an update, a delete, a key change into a new key, an insert of a gap inside the mirror's range
+    batch = [(30, "u", 5, None), (30, "d", 7, None), (31, "u", 400, 8), (32, "c", 401, None), (33, "c", 150, None)]
+    reached.clear()
+    before = version(spark, path)
+    apply(spark, path, batch)
+    assert operations(spark, path, before) == ["WRITE", "MERGE", "MERGE"]  # append, held keys, the gap's insert
+    assert reached == ["stream.between_append_and_merge", "stream.between_mirror_merges"]
+    del expected[7], expected[8]
+    expected |= {5: ("n30", 30), 400: ("n31", 31), 401: ("n32", 32), 150: ("n33", 33)}
+    assert rows(spark, path) == expected
+    before = version(spark, path)
+    apply(spark, path, batch)  # again: the appended keys are held now, the MERGE guard leaves them
+    assert operations(spark, path, before) == []
+    assert rows(spark, path) == expected
+    keys_held_once(spark, path)
+
+
+def test_a_batch_killed_after_its_append_ends_as_if_applied_once(
+    spark, path: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    batch = [(40, "u", 3, None), (40, "d", 4, None), (41, "c", 900, None), (42, "u", 901, 9), (43, "u", 900, None),
+             (44, "c", 50, None)]  # fmt: skip
+    once = str(tmp_path / "once")
+    for target in (once, path):
+        mirror_of(spark, target, [k for k in range(1, 101) if k != 50], top=100)
+    apply(spark, once, batch)
+
+    def kill(name: str) -> None:
+        if name == "stream.between_append_and_merge":
+            raise Killed(name)
+
+    monkeypatch.setattr(mirror_module, "fault_point", kill)
+    with pytest.raises(Killed):
+        apply(spark, path, batch)
+    half = rows(spark, path)
+    assert half[900] == ("n43", 43) and half[901] == ("n42", 42)  # appended
+    assert half[3] == ("m3", 10) and 4 in half and 9 in half and 50 not in half  # the held keys' MERGE not run
+    monkeypatch.setattr(mirror_module, "fault_point", lambda name: None)
+    apply(spark, path, batch)  # the re-run of the batch
+    assert rows(spark, path) == rows(spark, once)
+    assert rows(spark, path)[50] == ("n44", 44) and 9 not in rows(spark, path)
+    keys_held_once(spark, path)
+
+
+def test_a_key_change_into_a_new_key_takes_its_unchanged_values_from_the_old_row(
+    spark, path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    killed = {"once": True}
+
+    def kill(name: str) -> None:
+        if name == "stream.between_append_and_merge" and killed.pop("once", False):
+            raise Killed(name)
+
+    monkeypatch.setattr(mirror_module, "fault_point", kill)
+    mirror_of(spark, path, range(1, 101), top=100)
+    # key 8 becomes 500 (above the mirror) leaving its TOAST note unchanged; key 9 becomes 501 with a new note
+    changes = spark.createDataFrame(
+        [("u", 50, 0, None, ["note"], (500, None, None), (8, None, None)),
+         ("u", 50, 1, None, [], (501, "n50", None), (9, None, None))], CHANGES,
+    )  # fmt: skip
+    fields = spark_schema(COLUMNS).fields
+    with pytest.raises(Killed):  # killed after the append: the re-run finds 500 and 501 held
+        apply_changes(spark, path, changes, fields, ["id"], {"note"})
+    assert rows(spark, path)[500] == ("m8", 50)
+    assert apply_changes(spark, path, changes, fields, ["id"], {"note"}) == []  # no value left unknown
+    found = rows(spark, path)
+    assert found[500] == ("m8", 50) and found[501] == ("n50", 50) and 8 not in found and 9 not in found
+    keys_held_once(spark, path)
+
+
+def test_string_keys_are_never_appended(spark, tmp_path: Path) -> None:
+    path = str(tmp_path / "strings")
+    columns = [PgColumn("code", 25, -1, "text", "S", None, None, True)]
+    image = T.StructType([T.StructField("code", T.StringType()), T.StructField(UNREPRESENTABLE_COLUMN, TEXT_MAP)])
+    schema = T.StructType([*[f if f.name != "after" and f.name != "before" else T.StructField(f.name, image)
+                             for f in CHANGES.fields]])  # fmt: skip
+    for position, key in ((10, "a"), (11, "b")):  # "b" sorts above every key the mirror holds
+        changes = spark.createDataFrame([("c", position, 0, None, [], (key, None), None)], schema)
+        before = version(spark, path) if position > 10 else -1
+        apply_changes(spark, path, changes, spark_schema(columns).fields, ["code"], set())
+    assert operations(spark, path, before) == ["MERGE"]
+    assert sorted(r["code"] for r in spark.read.format("delta").load(path).collect()) == ["a", "b"]
