@@ -16,7 +16,9 @@ In one process (one Spark driver, ``local[2]``, as a long-lived stream run's), f
    batch; Delta's own figures of the MERGE (files removed and added, rows copied, deletion vectors, its scan and
    rewrite times) read from the commit's ``operationMetrics``. Checked after each batch: the mirror still holds N
    rows, and exactly ``--updates`` of them carry the batch's position. The smallest size runs one more batch first,
-   not counted: it warms the JVM as a stream run's earlier batches would have.
+   not counted: it warms the JVM as a stream run's earlier batches would have. ``--inserts M`` adds M inserts of
+   new keys N+1..N+M to each batch (as rows of a sequence or an identity column arrive); the check then counts
+   N+M rows and ``--updates`` + M at the batch's position, and Delta's figures are summed over the batch's commits.
 
 What this leaves out, because it does not depend on the mirror: reading the batch from the source (slot peek,
 decode, spill) and appending it to the changelog (``bench.stream`` measures both).
@@ -162,6 +164,31 @@ def update_batch(spark: Any, rows: int, updates: int, seed: int, position: int, 
     )
 
 
+def insert_batch(spark: Any, rows: int, inserts: int, position: int) -> Any:
+    """``inserts`` changelog rows inserting the new keys ``rows`` + 1 .. ``rows`` + ``inserts`` at ``position``,
+    their values by the table's own formulas (``--inserts``)."""
+    from pyspark.sql import functions as F
+
+    from cdc_assets.sources.postgres.pg_values import UNREPRESENTABLE_COLUMN
+
+    ids = spark.range(rows + 1, rows + inserts + 1).select(F.col("id"), (F.col("id") - rows).alias("seq"))
+    after = F.struct(
+        F.col("id").alias("id"),
+        *[F.expr(ROW_EXPRESSIONS[f.name]).cast(f.dataType).alias(f.name) for f in source_fields()
+          if f.name in ROW_EXPRESSIONS],
+        F.lit(None).cast("map<string,string>").alias(UNREPRESENTABLE_COLUMN),
+    )  # fmt: skip
+    return ids.select(
+        F.lit("c").alias("_cdc_op"),
+        F.lit(position).cast("long").alias("_cdc_position"),
+        (F.col("seq") + (1 << 40)).alias("_cdc_seq"),
+        F.lit("2026-11-28 00:00:00").cast("timestamp").alias("_cdc_ts"),
+        F.lit(None).cast("array<string>").alias("_cdc_unchanged"),
+        F.lit(None).cast("struct<id:long>").alias("before"),
+        after.alias("after"),
+    )
+
+
 MERGE_METRICS = ("numTargetFilesAdded", "numTargetFilesRemoved", "numTargetRowsCopied", "numTargetRowsUpdated",
                  "numTargetDeletionVectorsAdded", "executionTimeMs", "scanTimeMs", "rewriteTimeMs")  # fmt: skip
 
@@ -183,25 +210,30 @@ def run_size(spark: Any, rows: int, args: argparse.Namespace) -> dict[str, Any]:
         if args.change_data_feed == "off":  # a metadata commit; the RESTORE above undoes it for the next batch
             spark.sql(f"ALTER TABLE delta.{q(path)} SET TBLPROPERTIES (delta.enableChangeDataFeed = false)")
         position = POSITION_BASE + number
-        changes = update_batch(spark, rows, args.updates, number, position, args.keys).cache()
+        changes = update_batch(spark, rows, args.updates, number, position, args.keys)
+        if args.inserts:
+            changes = changes.unionByName(insert_batch(spark, rows, args.inserts, position))
+        changes = changes.cache()
         changes.count()  # built before the clock starts: a batch's rows are read from the source, not generated
+        start = DeltaTable.forPath(spark, path).history(1).first()["version"]  # after the RESTORE that started it
         started = time.monotonic()
         apply_changes(spark, path, changes, source_fields(), ["id"], set())
         seconds = time.monotonic() - started
         changes.unpersist()
         table = DeltaTable.forPath(spark, path)
-        merge = table.history(1).first()
-        metrics = {k: int(merge["operationMetrics"].get(k, 0)) for k in MERGE_METRICS}
+        commits = table.history().where(f"version > {start}").orderBy("version").collect()  # the batch's
+        metrics = {k: sum(int((c["operationMetrics"] or {}).get(k, 0)) for c in commits) for k in MERGE_METRICS}
         frame = table.toDF()
         total, updated = frame.selectExpr("count(*)", f"count_if(_cdc_position = {position})").first()
-        if total != rows or updated != args.updates:
-            raise RuntimeError(f"mirror of {rows} rows after batch {number}: {total} rows, {updated} updated "
-                               f"(expected {rows} and {args.updates})")  # fmt: skip
+        if total != rows + args.inserts or updated != args.updates + args.inserts:
+            raise RuntimeError(f"mirror of {rows} rows after batch {number}: {total} rows, {updated} written "
+                               f"(expected {rows + args.inserts} and {args.updates + args.inserts})")  # fmt: skip
         counted = number >= warm_up
+        operations = [c["operation"] for c in commits]
         if counted:
-            batches.append({"seconds": round(seconds, 2), "operation": merge["operation"], **metrics})
+            batches.append({"seconds": round(seconds, 2), "operations": operations, **metrics})
         print(f"[mirror_size] {rows:,} rows, batch {number}{'' if counted else ' (warm-up, not counted)'}: "
-              f"{seconds:.2f} s {metrics}", flush=True)  # fmt: skip
+              f"{seconds:.2f} s {operations} {metrics}", flush=True)  # fmt: skip
     spark.sql(f"RESTORE TABLE delta.{q(path)} TO VERSION AS OF {version}")
     return {
         "rows": rows,
@@ -224,7 +256,8 @@ def report(runs: list[dict[str, Any]], args: argparse.Namespace) -> None:
             last["numTargetDeletionVectorsAdded"], last["scanTimeMs"], last["rewriteTimeMs"],
         ])  # fmt: skip
     print()
-    print_table(f"Batch cost against mirror size ({machine()}; {args.updates} updates per batch, "
+    print_table(f"Batch cost against mirror size ({machine()}; {args.updates} updates and {args.inserts} inserts "
+                "per batch, "
                 f"{args.batches} batches per size; keys {args.keys}; Change Data Feed {args.change_data_feed}; "
                 "Delta's figures of the last batch)", header, lines)  # fmt: skip
     if len(runs) > 1:
@@ -239,11 +272,14 @@ def report(runs: list[dict[str, Any]], args: argparse.Namespace) -> None:
         ax.scatter([run["rows"]] * len(run["batches"]), [b["seconds"] for b in run["batches"]], s=10, color="gray")
     ax.set_xscale("log")
     ax.set_xlabel("mirror rows")
-    ax.set_ylabel(f"seconds per batch of {args.updates:,} updates")
+    ax.set_ylabel(
+        f"seconds per batch of {args.updates:,} updates" + (f", {args.inserts:,} inserts" if args.inserts else "")
+    )
     ax.set_ylim(bottom=0)
     ax.set_title("Stream batch cost against mirror size")
     ax.legend()
     suffix = ("" if args.keys == "random" else f"_{args.keys}") + ("" if args.change_data_feed == "on" else "_cdf_off")
+    suffix += f"_inserts{args.inserts}" if args.inserts else ""
     save_figure(fig, f"mirror_size{suffix}.png")
 
 
@@ -251,6 +287,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", default="1000000,10000000,50000000", help="mirror rows, comma-separated")
     parser.add_argument("--updates", type=int, default=10_000, help="random-key updates per batch (10000)")
+    parser.add_argument("--inserts", type=int, default=0, help="inserts of new keys per batch besides (0)")
     parser.add_argument("--batches", type=int, default=3, help="batches per size (3)")
     parser.add_argument("--rebuild", action="store_true", help="build the mirrors again even when built")
     parser.add_argument("--keys", choices=["random", "recent"], default="random",

@@ -38,6 +38,14 @@ Contract:
   holds, then the keys it lacks: ``merge_net_changes``) when it is big, each computing the net changes again, so
   the mirror rows the values are resolved from are then read at the version the batch found (``versionAsOf``),
   never one its own first statement wrote.
+  **Keys a big mirror cannot hold are appended** (a mirror written in two statements, above): the batch's net
+  upserts whose first key column lies above the greatest value any of the mirror's files may hold
+  (``column_upper_bound``; exact types only, ``above_bound``; the batch's types the mirror's, ``appendable_schema``)
+  are appended first, as the rows the MERGE would insert (``append_new_keys``), and the MERGE takes the other keys
+  (none: no MERGE). A batch killed after the append (fault point ``stream.between_append_and_merge``) is re-applied
+  whole: the appended keys are then within the bound, the MERGE's guard leaves them, and no key is written twice;
+  the append changes no row the MERGE's resolution of unchanged values reads (its keys are new, and that read is
+  pinned to the version the batch found), so no value becomes unknown by the kill.
   ``apply_changes`` returns the keys of mirror rows with unknown values; the stream reads them in
   a fill window (below).
 - ``reconcile``: the DESIGN.md rule. For each closable window: drop staged keys that have any change (old or new
@@ -387,8 +395,8 @@ def apply_changes(
         F.when(F.size(unknown_names) > 0, unknown_names).alias("_cdc_unknown"),
     )
     first_key = key_columns[0]
-    above = None
-    if appendable_schema(source.schema, mirror.toDF().schema, key_columns):
+    above = None  # a small mirror's batch is one MERGE: each statement more costs Delta's fixed cost again
+    if two_statements and appendable_schema(source.schema, mirror.toDF().schema, key_columns):
         above = above_bound(column_upper_bound(spark, path, first_key), mirror_types.get(first_key))
     if above is None:
         merge_net_changes(mirror, source, mirror_columns, key_columns, path, two_statements=two_statements)

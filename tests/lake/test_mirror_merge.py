@@ -140,6 +140,10 @@ def test_a_mirror_under_the_threshold_takes_a_batch_in_one_merge(spark, path: st
     assert operations(spark, path, before) == ["MERGE"]
     expected = {k: (f"m{k}", 10) for k in range(1, 101) if k != 6} | {5: ("n20", 20), 500: ("n20", 20)}
     assert rows(spark, path) == expected | {501: ("n21", 21)}
+    before = version(spark, path)
+    apply(spark, path, [(30, "c", 20_000, None)])  # above every key: still the one MERGE, no append beside it
+    assert operations(spark, path, before) == ["MERGE"]
+    assert rows(spark, path)[20_000] == ("n30", 30)
 
 
 def test_key_range_only_for_types_that_come_back_unchanged(spark) -> None:
