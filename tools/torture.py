@@ -29,8 +29,9 @@ deterministic, so a seed fixes the workload's recipe, not its exact interleaving
    offset, then the worker acknowledges it (the slot moves, as the Dagster stream asset does); after every 4th
    batch it runs the lake upkeep (``maintain_lake``: staged attempts dropped, compaction; after every 8th also
    vacuum; not with ``--broken-reconciliation``). Every run builds a fresh ``CdcSource`` (``open_source``) and
-   calls ``prepare()``, as a Dagster run would. The stream worker writes every mirror in two statements
-   (``merge_net_changes``'s path for mirrors of ``TWO_STATEMENTS_FROM_BYTES`` or more; the harness's are smaller).
+   calls ``prepare()``, as a Dagster run would. The stream worker writes every mirror as a big one: new keys above
+   the mirror's appended, then two statements (``apply_changes``' path for mirrors of ``TWO_STATEMENTS_FROM_BYTES``
+   or more; the harness's are smaller).
 4. **Faults** (unless ``--no-faults``): workers run with ``CDC_FAULTS`` / ``CDC_FAULT_PROBABILITY`` /
    ``CDC_FAULT_SEED`` (snapshot: ``snapshot.before_window_record``; stream: ``stream.after_changelog``,
    ``stream.after_merge``, ``stream.between_mirror_merges``, ``stream.between_append_and_merge``,
@@ -186,8 +187,9 @@ def worker_main(role: str, kind: str, result_fd: int, broken: bool, patched: boo
     # every module that calls a fault point (each imported the function by name)
     for module in (pipeline_module, window_module, maintenance_module, adopt_module, mirror_module):
         module.fault_point = traced  # type: ignore[attr-defined]
-    # every mirror takes its batches in two statements, the path of mirrors of 256 MB or more (the harness's are a
-    # few MB), so the kill between them (``stream.between_mirror_merges``) is exercised
+    # every mirror takes its batches as one of 256 MB or more (the harness's are a few MB): new keys appended, then
+    # two statements, so the kills between them (``stream.between_append_and_merge``,
+    # ``stream.between_mirror_merges``) are exercised
     mirror_module.TWO_STATEMENTS_FROM_BYTES = 0
     patches = apply_patches() if patched else []
     torture = source_kind(kind)
