@@ -71,6 +71,22 @@ def rows(spark, path: str) -> dict[int, tuple[str, int]]:
     return {r["id"]: (r["note"], r["_cdc_position"]) for r in found}
 
 
+def apply_killed_at(
+    spark, path: str, batch: list[tuple[int, str, int, int | None]], point: str, monkeypatch: pytest.MonkeyPatch
+) -> dict[int, tuple[str, int]]:
+    """``apply`` killed at fault point ``point``, which it must reach; the mirror's rows it left."""
+
+    def kill(name: str) -> None:
+        if name == point:
+            raise Killed(name)
+
+    monkeypatch.setattr(mirror_module, "fault_point", kill)
+    with pytest.raises(Killed):
+        apply(spark, path, batch)
+    monkeypatch.setattr(mirror_module, "fault_point", lambda name: None)
+    return rows(spark, path)
+
+
 def operations(spark, path: str, since: int) -> list[str]:
     history = DeltaTable.forPath(spark, path).history().where(f"version > {since}").orderBy("version").collect()
     return [h["operation"] for h in history if h["operation"] != "SET TBLPROPERTIES"]  # the mirror's first use
@@ -111,18 +127,9 @@ def test_a_batch_killed_between_the_two_merges_ends_as_if_applied_once(
     mirror_of(spark, once, range(1, 101))
     apply(spark, once, batch)
     mirror_of(spark, path, range(1, 101))
-
-    def kill(name: str) -> None:
-        if name == "stream.between_mirror_merges":
-            raise Killed(name)
-
-    monkeypatch.setattr(mirror_module, "fault_point", kill)
-    with pytest.raises(Killed):
-        apply(spark, path, batch)
-    half = rows(spark, path)
+    half = apply_killed_at(spark, path, batch, "stream.between_mirror_merges", monkeypatch)
     assert 900 not in half and 901 not in half and 9 not in half and 4 not in half  # held keys done, inserts not
     assert half[3] == ("n40", 40)
-    monkeypatch.setattr(mirror_module, "fault_point", lambda name: None)
     apply(spark, path, batch)  # the re-run of the batch
     assert rows(spark, path) == rows(spark, once)
     assert rows(spark, path)[900] == ("n43", 43)
@@ -205,18 +212,9 @@ def test_a_batch_killed_after_its_append_ends_as_if_applied_once(
     for target in (once, path):
         mirror_of(spark, target, [k for k in range(1, 101) if k != 50], top=100)
     apply(spark, once, batch)
-
-    def kill(name: str) -> None:
-        if name == "stream.between_append_and_merge":
-            raise Killed(name)
-
-    monkeypatch.setattr(mirror_module, "fault_point", kill)
-    with pytest.raises(Killed):
-        apply(spark, path, batch)
-    half = rows(spark, path)
+    half = apply_killed_at(spark, path, batch, "stream.between_append_and_merge", monkeypatch)
     assert half[900] == ("n43", 43) and half[901] == ("n42", 42)  # appended
     assert half[3] == ("m3", 10) and 4 in half and 9 in half and 50 not in half  # the held keys' MERGE not run
-    monkeypatch.setattr(mirror_module, "fault_point", lambda name: None)
     apply(spark, path, batch)  # the re-run of the batch
     assert rows(spark, path) == rows(spark, once)
     assert rows(spark, path)[50] == ("n44", 44) and 9 not in rows(spark, path)
