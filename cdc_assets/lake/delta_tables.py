@@ -55,14 +55,25 @@ class TableState:
     size_bytes: int
 
 
-def table_state(spark: SparkSession, table: DeltaTable, path: str) -> TableState:
-    """The version and size of ``table`` (at ``path``) now (module Contract)."""
+def current_snapshot(spark: SparkSession, path: str) -> Any | None:
+    """Delta's own snapshot of the table at ``path`` now (``DeltaLog.update``, a JVM object), or None: a session
+    without a JVM (Spark Connect), or an internal API another Delta version may lack."""
     jvm: Any = getattr(spark, "_jvm", None)
     session = getattr(spark, "_jsparkSession", None)
-    if jvm is not None and session is not None:
+    if jvm is None or session is None:
+        return None
+    try:
+        none = jvm.scala.Option.empty()
+        return jvm.org.apache.spark.sql.delta.DeltaLog.forTable(session, path).update(False, none, none)
+    except Exception:
+        return None
+
+
+def table_state(spark: SparkSession, table: DeltaTable, path: str) -> TableState:
+    """The version and size of ``table`` (at ``path``) now (module Contract)."""
+    snapshot = current_snapshot(spark, path)
+    if snapshot is not None:
         try:
-            none = jvm.scala.Option.empty()
-            snapshot = jvm.org.apache.spark.sql.delta.DeltaLog.forTable(session, path).update(False, none, none)
             return TableState(int(snapshot.version()), int(snapshot.sizeInBytes()))
         except Exception:  # an internal API another Delta version may lack: the public one below
             pass
@@ -83,21 +94,18 @@ PHYSICAL_NAME = "delta.columnMapping.physicalName"
 
 def column_upper_bound(spark: SparkSession, path: str, column: str) -> ColumnBound:
     """The greatest value ``column`` may hold in the table's current files (module Contract)."""
-    jvm: Any = getattr(spark, "_jvm", None)
-    session = getattr(spark, "_jsparkSession", None)
-    if jvm is None or session is None:
+    snapshot = current_snapshot(spark, path)
+    if snapshot is None:
         return UNKNOWN_BOUND
     try:
-        none = jvm.scala.Option.empty()
-        snapshot = jvm.org.apache.spark.sql.delta.DeltaLog.forTable(session, path).update(False, none, none)
+        schema = T.StructType.fromJson(json.loads(snapshot.schema().json()))
+        field = next((f for f in schema.fields if f.name == column), None)
+        if field is None or not isinstance(field.dataType, EXACT_STATISTICS_TYPES):
+            return UNKNOWN_BOUND
         if int(snapshot.numOfFiles()) == 0:
             return ColumnBound(True)
-        schema = T.StructType.fromJson(json.loads(snapshot.schema().json()))
         files = DataFrame(snapshot.allFiles().toDF(), spark)
     except Exception:  # an internal API another Delta version may lack: no bound, the caller merges
-        return UNKNOWN_BOUND
-    field = next((f for f in schema.fields if f.name == column), None)
-    if field is None or not isinstance(field.dataType, EXACT_STATISTICS_TYPES):
         return UNKNOWN_BOUND
     physical = field.metadata.get(PHYSICAL_NAME, column)
     stats = T.StructType([

@@ -106,7 +106,6 @@ from cdc_assets.lake.adopt import adopt_windows
 from cdc_assets.lake.column_mapping import MODE as MAPPING_MODE
 from cdc_assets.lake.column_mapping import column_mapping_properties, enable_column_mapping, refused_names
 from cdc_assets.lake.delta_tables import (
-    EXACT_STATISTICS_TYPES,
     ColumnBound,
     clear_interrupted_create,
     column_upper_bound,
@@ -395,9 +394,10 @@ def apply_changes(
         F.when(F.size(unknown_names) > 0, unknown_names).alias("_cdc_unknown"),
     )
     first_key = key_columns[0]
+    mirror_schema = mirror.toDF().schema
     above = None  # a small mirror's batch is one MERGE: each statement more costs Delta's fixed cost again
-    if two_statements and appendable_schema(source.schema, mirror.toDF().schema, key_columns):
-        above = above_bound(column_upper_bound(spark, path, first_key), mirror_types.get(first_key))
+    if two_statements and appendable_schema(source.schema, mirror_schema, key_columns):
+        above = above_bound(column_upper_bound(spark, path, first_key), mirror_types[first_key])
     if above is None:
         merge_net_changes(mirror, source, mirror_columns, key_columns, path, two_statements=two_statements)
     else:
@@ -409,7 +409,7 @@ def apply_changes(
         ).first()
         new_key = F.coalesce(above(F.col(q(f"_k_{first_key}"))), F.lit(False))
         if counts is not None and counts["new"]:
-            append_new_keys(mirror, source.where(new_key & (F.col("_kind") == "u")), key_columns, path)
+            append_new_keys(mirror_schema, source.where(new_key & (F.col("_kind") == "u")), key_columns, path)
             fault_point("stream.between_append_and_merge")
         if counts is None or counts["held"]:
             merge_net_changes(
@@ -421,12 +421,12 @@ def apply_changes(
     return [tuple(r) for r in unknown_rows.select(*[q(k) for k in key_columns]).collect()]
 
 
-def above_bound(bound: ColumnBound, data_type: T.DataType | None) -> Callable[[Column], Column] | None:
+def above_bound(bound: ColumnBound, data_type: T.DataType) -> Callable[[Column], Column] | None:
     """The test "this first key column value lies above every value the mirror's files may hold" (so the mirror
-    holds no row of that key), or None when no such test is exact: the bound unknown (``column_upper_bound``), or a
-    type whose values do not go back to Spark as literals unchanged. A mirror without files holds no key: every
-    non-NULL value passes."""
-    if not bound.known or not isinstance(data_type, EXACT_STATISTICS_TYPES):
+    holds no row of that key), or None when the bound is unknown (``column_upper_bound``: known only for types
+    whose values go back to Spark as literals unchanged). A mirror without files holds no key: every non-NULL value
+    passes."""
+    if not bound.known:
         return None
     if bound.value is None:
         return lambda column: column.isNotNull()
@@ -443,13 +443,13 @@ def appendable_schema(source: T.StructType, mirror: T.StructType, key_columns: S
     return all(types.get(f"_k_{f.name}" if f.name in keys else f.name) == nullable(f.dataType) for f in mirror.fields)
 
 
-def append_new_keys(mirror: DeltaTable, new_rows: DataFrame, key_columns: Sequence[str], path: str) -> None:
-    """Append ``new_rows`` (net upserts, as ``merge_net_changes`` takes them, of keys the mirror holds no row of) as
-    the rows the MERGE's insert clause would write: the key from ``_k_<key>``, every other mirror column by name (of
-    the mirror's types: ``appendable_schema``). One Delta commit, no read of the mirror."""
+def append_new_keys(mirror: T.StructType, new_rows: DataFrame, key_columns: Sequence[str], path: str) -> None:
+    """Append ``new_rows`` (net upserts, as ``merge_net_changes`` takes them, of keys the mirror holds no row of) to
+    the mirror at ``path`` (its schema ``mirror``) as the rows the MERGE's insert clause would write: the key from
+    ``_k_<key>``, every other mirror column by name (of the mirror's types: ``appendable_schema``). One Delta
+    commit, no read of the mirror."""
     keys = set(key_columns)
-    fields = mirror.toDF().schema.fields
-    rows = new_rows.select(*[F.col(q(f"_k_{f.name}" if f.name in keys else f.name)).alias(f.name) for f in fields])
+    rows = new_rows.select(*[F.col(q(f"_k_{f.name}" if f.name in keys else f.name)).alias(f.name) for f in mirror])
     commit_with_retry(lambda: rows.write.format("delta").mode("append").save(path), f"append new keys to {path}")
 
 
