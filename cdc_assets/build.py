@@ -82,7 +82,7 @@ def build_definitions(config_path: str | os.PathLike[str]) -> Definitions:
         jobs += [stream_job, build_change_offset_job(source.name), build_snapshot_rows_job(source)]
         sensors.append(build_stream_sensor(source.name, stream_job.name, source.stream.interval_seconds))
         if names or skipped:
-            sensors.append(build_planner_sensor(source.name, names))
+            sensors.append(build_planner_sensor(source.name, names, source.planner_interval_seconds))
         if source.checks.cron is not None:
             schedules += [
                 build_consistency_sweep(source.name, name, check_jobs[name], source.checks.cron) for name in names

@@ -238,6 +238,9 @@ class SourceConfig:
     checks: ChecksConfig = ChecksConfig()
     mongodb: MongoOptions | None = None  # set exactly for kind mongodb
     chunks_per_run: int = 4  # chunk partitions per snapshot run (planner runs, backfill runs)
+    # how often the planner sensor looks for tables to plan and chunks to snapshot (a table added at the source is
+    # planned at its first tick after "Reload definitions")
+    planner_interval_seconds: int = 30
     startup_timestamp: str | None = None  # SEC or SEC:ORD, exactly with startup_mode timestamp
 
 
@@ -323,6 +326,7 @@ def _spark(raw: Any, environ: Any) -> SparkConfig:
 _SOURCE_KEYS = {
     "name", "kind", "connection", "slot", "publication", "startup_mode", "chunk_size", "read_parallelism",
     "chunks_per_run", "tables", "include", "exclude", "stream", "checks", "startup_timestamp",
+    "planner_interval_seconds",
 }  # fmt: skip
 _MONGODB_SOURCE_KEYS = (_SOURCE_KEYS - {"slot", "publication"}) | {"mongodb"}
 
@@ -368,6 +372,9 @@ def _source(raw: Any, where: str, environ: Any) -> SourceConfig:
         chunk_size=_positive_int(source.get("chunk_size", 50_000), f"{where}.chunk_size"),
         read_parallelism=_positive_int(source.get("read_parallelism", 2), f"{where}.read_parallelism"),
         chunks_per_run=_positive_int(source.get("chunks_per_run", 4), f"{where}.chunks_per_run"),
+        planner_interval_seconds=_positive_int(
+            source.get("planner_interval_seconds", 30), f"{where}.planner_interval_seconds"
+        ),
         tables=tables,
         include=include,
         exclude=exclude,

@@ -63,10 +63,10 @@ RESNAPSHOT_KEY = "~resnapshot"
 NO_SNAPSHOT_MODES = ("latest", "timestamp")
 
 
-def build_planner_sensor(source_name: str, table_names: list[str]) -> SensorDefinition:
+def build_planner_sensor(source_name: str, table_names: list[str], interval_seconds: int = 30) -> SensorDefinition:
     @sensor(
         name=f"{source_name}_planner_sensor",
-        minimum_interval_seconds=30,
+        minimum_interval_seconds=interval_seconds,
         default_status=DefaultSensorStatus.RUNNING,
         asset_selection=AssetSelection.assets(*[table_asset_key(source_name, t) for t in table_names]),
         required_resource_keys={"cdc"},

@@ -84,7 +84,10 @@ def test_definitions_build_with_tables_sensors_and_jobs(config_path) -> None:
         AssetKey(["defs", "public", "docs"]),
         stream_asset_key("defs"),
     } <= keys
-    assert {s.name for s in defs.sensors} == {"defs_stream_sensor", "defs_planner_sensor"}
+    assert {s.name: s.minimum_interval_seconds for s in defs.sensors} == {
+        "defs_stream_sensor": 5,
+        "defs_planner_sensor": 30,
+    }  # the configured stream.interval_seconds; planner_interval_seconds' default
     tables = ("items", "pairs", "docs")
     assert {j.name for j in defs.jobs} == {"defs_stream", "defs_change_offset", "defs_snapshot_rows"} | {
         check_job_name("defs", f"public.{name}") for name in tables
