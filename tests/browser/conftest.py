@@ -1,8 +1,9 @@
 """Fixtures of the browser tests: ``dagster dev`` on a small demo database, and Debian's Chromium driven by Playwright.
 
 One server and one browser for the whole session. The server is the demo's (``dagster dev`` with ``workspace.yaml``
-and ``dagster_home/dagster.yaml``) on a free port, over a database that ``tools/demo_db.py setup --scale 0.01``
-makes (200 customers, 500 orders, 600 order lines; chunks of 100 rows). The source starts in ``latest`` mode: the
+and ``dagster_home/dagster.yaml``, its run monitor's waits shortened: ``RUN_MONITORING``) on a free port, over a
+database that ``tools/demo_db.py setup --scale 0.01`` makes (200 customers, 500 orders, 600 order lines; chunks of
+100 rows). The source starts in ``latest`` mode: the
 planner plans every table's chunks but snapshots none, so a mirror holds exactly what the tests snapshot from the
 UI. Stream runs last ``run_seconds`` as in the demo (one Spark driver for every batch).
 
@@ -26,6 +27,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import yaml
 from playwright.sync_api import Browser, Page, expect, sync_playwright
 
 from cdc_assets.lake.spark import SHORT_LIVED_DRIVER_OPTIONS
@@ -43,6 +45,11 @@ from tests.browser.ui_support import (
 )
 from tests.integration.support import READER_PASSWORD, drop_source
 from tools.spark_standalone import free_port
+
+# the demo's instance (dagster_home/dagster.yaml) with its run monitor's waits shortened: a killed run is found
+# within 5 s instead of 30, and what it held in a pool is freed 10 s after it ended instead of 60 (the killed stream
+# run's test waited 90 s for the two, the machine idle)
+RUN_MONITORING = {"poll_interval_seconds": 5, "free_slots_after_run_end_seconds": 10}
 
 
 @pytest.fixture(scope="session")
@@ -115,7 +122,9 @@ def dagster_ui(
     base = tmp_path_factory.mktemp("browser")
     home = base / "dagster_home"
     home.mkdir()
-    shutil.copy(ROOT / "dagster_home" / "dagster.yaml", home / "dagster.yaml")
+    instance = yaml.safe_load((ROOT / "dagster_home" / "dagster.yaml").read_text())
+    instance["run_monitoring"].update(RUN_MONITORING)
+    (home / "dagster.yaml").write_text(yaml.safe_dump(instance))
     lake = base / "lake"
     config = base / "cdc.yaml"
     config.write_text(

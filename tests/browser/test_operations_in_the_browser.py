@@ -49,7 +49,7 @@ pytestmark = pytest.mark.timeout(1200)
 # every chunk once the stream has passed its window
 BACKFILL_TIMEOUT_MS = 900_000
 RUN_TIMEOUT_MS = 300_000
-PLANNER_TIMEOUT_MS = 180_000  # the planner sensor ticks every 30 s
+PLANNER_TIMEOUT_MS = 180_000  # the planner sensor ticks every 5 s here (planner_interval_seconds)
 INVALID_LSN = "FFFFFFFF/FFFFFFFF"  # well formed, far ahead of the server's WAL
 LAUNCHPAD_CONFIG = f"""ops:
   {SOURCE}_record_offset:
@@ -428,10 +428,10 @@ def test_a_stream_run_killed_by_sigkill_fails_and_the_next_one_gets_its_pool_slo
     dagster_ui: DagsterUi, page: Page, spark: SparkSession
 ) -> None:
     """A stream run's process killed (the OS's OOM killer, an operator): run monitoring marks the run failed, and
-    what its step held in the source's lake-write pool is freed a minute later (``free_slots_after_run_end_seconds``
-    in ``dagster_home/dagster.yaml``), so the next stream run the sensor requests starts and a change written after
-    the kill reaches the mirror. Without that setting the next run stayed queued for good (a demo's stream stood
-    still until its slot was freed by hand)."""
+    what its step held in the source's lake-write pool is freed soon after (``free_slots_after_run_end_seconds``
+    in ``dagster_home/dagster.yaml``: a minute there, 10 s here, ``RUN_MONITORING``), so the next stream run the
+    sensor requests starts and a change written after the kill reaches the mirror. Without that setting the next
+    run stayed queued for good (a demo's stream stood still until its slot was freed by hand)."""
     job = stream_job_name(SOURCE)
     with dagster_ui.admin() as admin:  # work for the stream, so that its sensor requests a run if none is in flight
         admin.execute("update orders set status = 'before the kill' where id = (select max(id) from orders)")

@@ -36,6 +36,7 @@ sources:
     startup_mode: latest
     chunk_size: 100
     chunks_per_run: 10
+    planner_interval_seconds: 5  # a table added at the source is planned within seconds of "Reload definitions"
     include: ["public.*"]
     tables: [{{name: public.order_lines, chunk_size: 30}}]  # 600 rows: the 20-chunk snapshot paused and resumed
     # a stream run keeps its Spark driver for 10 minutes, as in the demo; an idle slot is never advanced (no stream
