@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import psycopg
@@ -40,17 +40,23 @@ BACKGROUND_RUNS = {  # fixture -> (stash key, start, work dir, the run it follow
         MONGODB_TORTURE_RUN, start_mongodb_run, ROOT / ".state" / "torture-mongodb-run", BROKEN_TORTURE_RUN,
     ),
 }  # fmt: skip
+# the run started with the session's first test, beside the browser tests: they mostly wait for Dagster's daemons
+# (sensor ticks, the backfill daemon's 30-second iterations, run monitoring), and left the machine 70 % idle for
+# their 7 minutes (a suite run on 2026-11-29: 2-65 % busy per 10 s, the rest of the suite 95-99 %); one harness run
+# (about 5.5 minutes) fills that instead of stretching the busy part. The others start after ``BEFORE_TORTURE_RUNS``.
+EARLY_RUN = "faulted_torture_run"
 
 
-# tests (paths under tests/) that run before the torture runs start: they wait for other processes with timeouts
-# and retries, which the torture runs' first minutes (three Spark drivers starting, every chunk snapshotted)
-# stretched most: the browser tests' runs of ``dagster dev`` (the added-table test: 162 s alone, 343 s beside them),
-# then the consistency checks, which wait for a stream beside them (the drift test: 108 s alone, 433 s beside them
-# once the runs started after the browser tests; that module took 717 s instead of 339)
-# They run first (``pytest_collection_modifyitems``): in path order the unit tests under engine/ came between them, so
-# the runs started there, beside the consistency checks (the drift test took 413 s in a suite run).
+# tests (paths under tests/) that run before the torture runs start (but ``EARLY_RUN``): they wait for other
+# processes with timeouts and retries, which the torture runs' first minutes (three Spark drivers starting, every
+# chunk snapshotted) stretched most: the browser tests' runs of ``dagster dev`` (the added-table test: 162 s alone,
+# 343 s beside all three runs), then the consistency checks, which wait for a stream beside them (the drift test:
+# 108 s alone, 433 s beside them once the runs started after the browser tests; that module took 717 s instead of
+# 339). They run first (``pytest_collection_modifyitems``): in path order the unit tests under engine/ came between
+# them, so the runs started there, beside the consistency checks (the drift test took 413 s in a suite run).
 BEFORE_TORTURE_RUNS = ("browser/", "integration/test_consistency.py")
 TORTURE_RUNS_STARTED = pytest.StashKey[bool]()
+EARLY_RUN_STARTED = pytest.StashKey[bool]()
 
 
 def runs_before_torture(item: pytest.Item) -> bool:
@@ -64,22 +70,30 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 @pytest.hookimpl(tryfirst=True)  # before the test's fixtures, which read the stash
 def pytest_runtest_setup(item: pytest.Item) -> None:
-    """Start the torture runs whose tests were selected (see ``tests/tools/torture_support.py``) at the first test
-    not under ``BEFORE_TORTURE_RUNS``: they then run beside the tests after it, in the background."""
+    """Start the torture runs whose tests were selected (see ``tests/tools/torture_support.py``): ``EARLY_RUN`` at
+    the session's first test, the others at the first test not under ``BEFORE_TORTURE_RUNS``, each once the run it
+    follows has ended. They run beside the tests, in the background."""
     config = item.config
-    if config.stash.get(TORTURE_RUNS_STARTED, False):
-        return
-    if runs_before_torture(item):
+    if not config.stash.get(EARLY_RUN_STARTED, False):
+        config.stash[EARLY_RUN_STARTED] = True
+        start_background_runs(item, lambda fixture: fixture == EARLY_RUN)
+    if config.stash.get(TORTURE_RUNS_STARTED, False) or runs_before_torture(item):
         return
     config.stash[TORTURE_RUNS_STARTED] = True
-    items = item.session.items
+    start_background_runs(item, lambda fixture: fixture != EARLY_RUN)
+
+
+def start_background_runs(item: pytest.Item, chosen: Callable[[str], bool]) -> None:
+    """Start the ``chosen`` runs of ``BACKGROUND_RUNS`` that a selected test uses."""
+    config = item.config
     for fixture, (key, start, work_dir, after) in BACKGROUND_RUNS.items():
-        if any(fixture in getattr(selected, "fixturenames", ()) for selected in items):
-            before = config.stash.get(after, None) if after is not None else None
-            if before is None:
-                config.stash[key] = start(work_dir)
-            else:  # started when ``before`` has ended (``ChainedRun``)
-                config.stash[key] = ChainedRun(before, lambda start=start, work_dir=work_dir: start(work_dir))
+        if not chosen(fixture) or not any(fixture in getattr(t, "fixturenames", ()) for t in item.session.items):
+            continue
+        before = config.stash.get(after, None) if after is not None else None
+        if before is None:
+            config.stash[key] = start(work_dir)
+        else:  # started when ``before`` has ended (``ChainedRun``)
+            config.stash[key] = ChainedRun(before, lambda start=start, work_dir=work_dir: start(work_dir))
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
