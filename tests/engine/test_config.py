@@ -143,19 +143,10 @@ def test_table_names_keep_case_and_spaces_and_quote_parts_with_dots() -> None:
             split_table_name(bad, "tables[0].name")
 
 
-def test_the_planner_interval_is_read_and_validated() -> None:
-    assert parse(BASE).source("demo").planner_interval_seconds == 30
-    config = parse({**BASE, "sources": [{**BASE["sources"][0], "planner_interval_seconds": 5}]})
-    assert config.source("demo").planner_interval_seconds == 5
-    for bad in (0, -5, "soon", 2.5):
-        with pytest.raises(ConfigError, match=r"sources\[0\]\.planner_interval_seconds: expected a positive integer"):
-            parse({**BASE, "sources": [{**BASE["sources"][0], "planner_interval_seconds": bad}]})
-
-
-def test_chunks_per_run_is_read_and_validated() -> None:
-    assert parse(BASE).source("demo").chunks_per_run == 4
-    config = parse({**BASE, "sources": [{**BASE["sources"][0], "chunks_per_run": 10}]})
-    assert config.source("demo").chunks_per_run == 10
+@pytest.mark.parametrize(("key", "default", "value"), [("chunks_per_run", 4, 10), ("planner_interval_seconds", 30, 5)])
+def test_a_sources_positive_integer_settings_are_read_and_validated(key: str, default: int, value: int) -> None:
+    assert getattr(parse(BASE).source("demo"), key) == default
+    assert getattr(parse({**BASE, "sources": [{**BASE["sources"][0], key: value}]}).source("demo"), key) == value
     for bad in (0, -1, "many", 2.5):
-        with pytest.raises(ConfigError, match=r"sources\[0\]\.chunks_per_run: expected a positive integer"):
-            parse({**BASE, "sources": [{**BASE["sources"][0], "chunks_per_run": bad}]})
+        with pytest.raises(ConfigError, match=rf"sources\[0\]\.{key}: expected a positive integer"):
+            parse({**BASE, "sources": [{**BASE["sources"][0], key: bad}]})
