@@ -3,9 +3,9 @@
 One server and one browser for the whole session. The server is the demo's (``dagster dev`` with ``workspace.yaml``
 and ``dagster_home/dagster.yaml``, its run monitor's waits shortened: ``RUN_MONITORING``) on a free port, over a
 database that ``tools/demo_db.py setup --scale 0.01`` makes (200 customers, 500 orders, 600 order lines; chunks of
-100 rows). The source starts in ``latest`` mode: the
-planner plans every table's chunks but snapshots none, so a mirror holds exactly what the tests snapshot from the
-UI. Stream runs last ``run_seconds`` as in the demo (one Spark driver for every batch).
+100 rows). The source starts in ``latest`` mode: the planner plans every table's chunks but snapshots none, so a
+mirror holds exactly what the tests snapshot from the UI. Stream runs last ``run_seconds`` as in the demo (one Spark
+driver for every batch).
 
 Chromium is Debian's ``chromium`` package (``scripts/setup.sh`` installs it); Playwright drives that executable and
 never downloads a browser. Without it the browser tests are skipped, saying so. Screenshots and the server's log
