@@ -63,7 +63,7 @@ RESNAPSHOT_KEY = "~resnapshot"
 NO_SNAPSHOT_MODES = ("latest", "timestamp")
 
 
-def build_planner_sensor(source_name: str, table_names: list[str], interval_seconds: int = 30) -> SensorDefinition:
+def build_planner_sensor(source_name: str, table_names: list[str], interval_seconds: int) -> SensorDefinition:
     @sensor(
         name=f"{source_name}_planner_sensor",
         minimum_interval_seconds=interval_seconds,
