@@ -192,6 +192,7 @@ def run_scenario(
     # batches die after a mirror's append of keys above every key it holds, and between its MERGE of the keys it
     # holds and its insert of the keys it lacks (every mirror from now on is written as one of 256 MB or more)
     monkeypatch.setattr(mirror_module, "TWO_STATEMENTS_FROM_BYTES", 0)
+    monkeypatch.setattr(mirror_module, "REWRITE_FILES_BELOW_BYTES", 0)  # and deletion vectors, as a big one's
     big_mirror_points = {"stream.between_append_and_merge", "stream.between_mirror_merges"}
     faults.armed.update(big_mirror_points)
     stream.catch_up()

@@ -30,8 +30,8 @@ deterministic, so a seed fixes the workload's recipe, not its exact interleaving
    batch it runs the lake upkeep (``maintain_lake``: staged attempts dropped, compaction; after every 8th also
    vacuum; not with ``--broken-reconciliation``). Every run builds a fresh ``CdcSource`` (``open_source``) and
    calls ``prepare()``, as a Dagster run would. The stream worker writes every mirror as a big one: new keys above
-   the mirror's appended, then two statements (``apply_changes``' path for mirrors of ``TWO_STATEMENTS_FROM_BYTES``
-   or more; the harness's are smaller).
+   the mirror's appended, then two statements, replaced rows marked in deletion vectors (``apply_changes``' path
+   for mirrors of ``TWO_STATEMENTS_FROM_BYTES`` or more; the harness's are smaller).
 4. **Faults** (unless ``--no-faults``): workers run with ``CDC_FAULTS`` / ``CDC_FAULT_PROBABILITY`` /
    ``CDC_FAULT_SEED`` (snapshot: ``snapshot.before_window_record``; stream: ``stream.after_changelog``,
    ``stream.after_merge``, ``stream.between_mirror_merges``, ``stream.between_append_and_merge``,
@@ -189,8 +189,9 @@ def worker_main(role: str, kind: str, result_fd: int, broken: bool, patched: boo
         module.fault_point = traced  # type: ignore[attr-defined]
     # every mirror takes its batches as one of 256 MB or more (the harness's are a few MB): new keys appended, then
     # two statements, so the kills between them (``stream.between_append_and_merge``,
-    # ``stream.between_mirror_merges``) are exercised
+    # ``stream.between_mirror_merges``) are exercised, and deletion vectors rather than rewritten files
     mirror_module.TWO_STATEMENTS_FROM_BYTES = 0
+    mirror_module.REWRITE_FILES_BELOW_BYTES = 0
     patches = apply_patches() if patched else []
     torture = source_kind(kind)
     if broken and role == "stream":

@@ -46,6 +46,8 @@ Contract:
   whole: the appended keys are then within the bound, the MERGE's guard leaves them, and no key is written twice;
   the append changes no row the MERGE's resolution of unchanged values reads (its keys are new, and that read is
   pinned to the version the batch found), so no value becomes unknown by the kill.
+  **A small mirror's touched files are rewritten** (below ``REWRITE_FILES_BELOW_BYTES``, ``merge_write_conf``): the
+  batch's MERGE writes no deletion vectors there; a bigger one marks the replaced rows in them. Same rows either way.
   ``apply_changes`` returns the keys of mirror rows with unknown values; the stream reads them in
   a fill window (below).
 - ``reconcile``: the DESIGN.md rule. For each closable window: drop staged keys that have any change (old or new
@@ -115,6 +117,7 @@ from cdc_assets.lake.delta_tables import (
 from cdc_assets.lake.retry import commit_with_retry
 from cdc_assets.lake.schema import UNREPRESENTABLE_COLUMN
 from cdc_assets.lake.settled import SettledRule
+from cdc_assets.lake.spark import session_conf
 from cdc_assets.lake.statistics import (
     STATS_COLUMNS,
     created_with_statistics_columns,
@@ -164,7 +167,8 @@ def open_mirror(
     rows about to be written that the caller's description of the table lacks: a snapshot read after the column was
     added). Deletion vectors: a batch's MERGE then marks replaced rows instead of rewriting every file it touches,
     and random changes touch every file of a big mirror (bench.stream, 1M rows, 83k changes per batch: MERGE 41.8 s
-    over 3 batches with them, 57.7 s without; only tiny mirrors are faster without). File statistics only on the
+    over 3 batches with them, 57.7 s without); a small mirror's batch rewrites its files instead
+    (``merge_write_conf``). File statistics only on the
     ``key_columns`` and the fixed-size columns (``cdc_assets.lake.statistics``: a big text value made writes crawl),
     also on a mirror made before that rule or grown since. ``created``: made by this call, so known to hold no file
     without reading its state (a first reconciliation's files are landed without one Spark job over the new log)."""
@@ -398,23 +402,24 @@ def apply_changes(
     above = None  # a small mirror's batch is one MERGE: each statement more costs Delta's fixed cost again
     if two_statements and appendable_schema(source.schema, mirror_schema, key_columns):
         above = above_bound(column_upper_bound(spark, path, first_key), mirror_types[first_key])
-    if above is None:
-        merge_net_changes(mirror, source, mirror_columns, key_columns, path, two_statements=two_statements)
-    else:
-        # counted on the batch's rows before any is resolved or ranked (its cached input, no shuffle): a key with a
-        # change above the bound has its net change there, one with a change at or below it has it there
-        above_first = F.coalesce(above(F.col("_key")[first_key]), F.lit(False))
-        counts = batch_events.agg(
-            F.count_if(above_first & (F.col("_kind") == "u")).alias("new"), F.count_if(~above_first).alias("held")
-        ).first()
-        new_key = F.coalesce(above(F.col(q(f"_k_{first_key}"))), F.lit(False))
-        if counts is not None and counts["new"]:
-            append_new_keys(mirror_schema, source.where(new_key & (F.col("_kind") == "u")), key_columns, path)
-            fault_point("stream.between_append_and_merge")
-        if counts is None or counts["held"]:
-            merge_net_changes(
-                mirror, source.where(~new_key), mirror_columns, key_columns, path, two_statements=two_statements
-            )
+    with session_conf(spark, merge_write_conf(found.size_bytes)):
+        if above is None:
+            merge_net_changes(mirror, source, mirror_columns, key_columns, path, two_statements=two_statements)
+        else:
+            # counted on the batch's rows before any is resolved or ranked (its cached input, no shuffle): a key with a
+            # change above the bound has its net change there, one with a change at or below it has it there
+            above_first = F.coalesce(above(F.col("_key")[first_key]), F.lit(False))
+            counts = batch_events.agg(
+                F.count_if(above_first & (F.col("_kind") == "u")).alias("new"), F.count_if(~above_first).alias("held")
+            ).first()
+            new_key = F.coalesce(above(F.col(q(f"_k_{first_key}"))), F.lit(False))
+            if counts is not None and counts["new"]:
+                append_new_keys(mirror_schema, source.where(new_key & (F.col("_kind") == "u")), key_columns, path)
+                fault_point("stream.between_append_and_merge")
+            if counts is None or counts["held"]:
+                merge_net_changes(
+                    mirror, source.where(~new_key), mirror_columns, key_columns, path, two_statements=two_statements
+                )
     if not resolve:
         return []
     unknown_rows = spark.read.format("delta").load(path).where(F.col("_cdc_unknown").isNotNull())
@@ -457,6 +462,24 @@ def append_new_keys(mirror: T.StructType, new_rows: DataFrame, key_columns: Sequ
 # inserts: 10.8 s as one MERGE against 5.3 s as two at 900 MB (10M rows), 2.62 against 2.61 s at 140 MB (1M rows);
 # at 21 MB (the freshness bench's 50k rows) two statements made a batch's merge phase 3.21 s instead of 1.47 s
 TWO_STATEMENTS_FROM_BYTES = 256 * 1024 * 1024
+
+
+# a mirror smaller than this takes a batch's MERGE by rewriting the files it touches (copy on write) rather than by
+# marking the replaced rows in deletion vectors; see ``merge_write_conf``
+REWRITE_FILES_BELOW_BYTES = 16 * 1024 * 1024
+MERGE_DELETION_VECTORS = "spark.databricks.delta.merge.deletionVectors.persistent"  # Delta's session conf
+
+
+def merge_write_conf(size_bytes: int) -> dict[str, str]:
+    """Session settings for the MERGE of a batch into a mirror of ``size_bytes``: below ``REWRITE_FILES_BELOW_BYTES``,
+    no deletion vectors (Delta rewrites each file a matched row lies in); otherwise none (the mirror's own
+    ``delta.enableDeletionVectors``). Why: on a small mirror the files a batch touches are cheaper to rewrite than
+    deletion vectors are to place (Delta runs about seven more Spark jobs for them), and the mirror keeps its few
+    files instead of gaining one per batch until the upkeep compacts it; on a big one a batch of random keys touches
+    every file, and rewriting them costs more than the vectors. The table keeps deletion vectors on either way, so a
+    mirror that grows past the threshold (or a reader) finds them as before; files with deletion vectors are read
+    through them and rewritten without the deleted rows. The rows the MERGE writes are the same either way."""
+    return {MERGE_DELETION_VECTORS: "false"} if size_bytes < REWRITE_FILES_BELOW_BYTES else {}
 
 
 def merge_net_changes(
