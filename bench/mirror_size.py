@@ -19,6 +19,9 @@ In one process (one Spark driver, ``local[2]``, as a long-lived stream run's), f
    not counted: it warms the JVM as a stream run's earlier batches would have. ``--inserts M`` adds M inserts of
    new keys N+1..N+M to each batch (as rows of a sequence or an identity column arrive); the check then counts
    N+M rows and ``--updates`` + M at the batch's position, and Delta's figures are summed over the batch's commits.
+   ``--write-mode both`` applies each batch twice, to the same restored mirror, in turns first: once with the files
+   it touches rewritten and once with deletion vectors (``merge_write_conf``; ``rewrite`` or ``vectors`` alone:
+   one of them; default ``pipeline``: as ``apply_changes`` chooses by the mirror's size), and prints both medians.
 
 What this leaves out, because it does not depend on the mirror: reading the batch from the source (slot peek,
 decode, spill) and appending it to the changelog (``bench.stream`` measures both).
@@ -33,6 +36,7 @@ the pre-images cost).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import random
 import shutil
@@ -42,6 +46,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import cdc_assets.lake.mirror as mirror_module
 from bench.common import OUT, machine, print_table, pyplot, save_figure, save_json
 
 ROWS_PER_FILE = 1_000_000
@@ -189,6 +194,10 @@ def insert_batch(spark: Any, rows: int, inserts: int, position: int) -> Any:
     )
 
 
+# --write-mode: the mirror size below which apply_changes rewrites the touched files (merge_write_conf), per mode
+REWRITE_BELOW = {"pipeline": mirror_module.REWRITE_FILES_BELOW_BYTES, "rewrite": 1 << 62, "vectors": 0}
+WRITE_MODES = {"pipeline": ["pipeline"], "rewrite": ["rewrite"], "vectors": ["vectors"], "both": ["rewrite", "vectors"]}
+
 MERGE_METRICS = ("numTargetFilesAdded", "numTargetFilesRemoved", "numTargetRowsCopied", "numTargetRowsUpdated",
                  "numTargetDeletionVectorsAdded", "executionTimeMs", "scanTimeMs", "rewriteTimeMs")  # fmt: skip
 
@@ -205,7 +214,11 @@ def run_size(spark: Any, rows: int, args: argparse.Namespace) -> dict[str, Any]:
     batches = []
     # the first size's first batch warms the JVM (compiles the MERGE's code) and is not counted
     warm_up = 1 if rows == min(int(s) for s in args.sizes.replace("_", "").split(",") if s.strip()) else 0
-    for number in range(args.batches + warm_up):
+    modes = WRITE_MODES[args.write_mode]
+    for number, mode in itertools.product(range(args.batches + warm_up), range(len(modes))):
+        # with two modes, each batch is applied once in each, in turns first, to the same restored mirror
+        mode = modes[(mode + number) % len(modes)]
+        mirror_module.REWRITE_FILES_BELOW_BYTES = REWRITE_BELOW[mode]
         spark.sql(f"RESTORE TABLE delta.{q(path)} TO VERSION AS OF {version}")
         if args.change_data_feed == "off":  # a metadata commit; the RESTORE above undoes it for the next batch
             spark.sql(f"ALTER TABLE delta.{q(path)} SET TBLPROPERTIES (delta.enableChangeDataFeed = false)")
@@ -231,16 +244,20 @@ def run_size(spark: Any, rows: int, args: argparse.Namespace) -> dict[str, Any]:
         counted = number >= warm_up
         operations = [c["operation"] for c in commits]
         if counted:
-            batches.append({"seconds": round(seconds, 2), "operations": operations, **metrics})
-        print(f"[mirror_size] {rows:,} rows, batch {number}{'' if counted else ' (warm-up, not counted)'}: "
-              f"{seconds:.2f} s {operations} {metrics}", flush=True)  # fmt: skip
+            batches.append({"seconds": round(seconds, 2), "mode": mode, "operations": operations, **metrics})
+        print(f"[mirror_size] {rows:,} rows, batch {number}{'' if counted else ' (warm-up, not counted)'} "
+              f"({mode}): {seconds:.2f} s {operations} {metrics}", flush=True)  # fmt: skip
+    mirror_module.REWRITE_FILES_BELOW_BYTES = REWRITE_BELOW["pipeline"]
     spark.sql(f"RESTORE TABLE delta.{q(path)} TO VERSION AS OF {version}")
     return {
         "rows": rows,
         "files": files,
         "build_seconds": round(build_seconds, 1),
         "batches": batches,
-        "median_seconds": statistics.median(b["seconds"] for b in batches),
+        "median_seconds": statistics.median(b["seconds"] for b in batches if b["mode"] == modes[0]),
+        "median_seconds_by_mode": {
+            m: statistics.median(b["seconds"] for b in batches if b["mode"] == m) for m in modes
+        },
     }
 
 
@@ -260,6 +277,13 @@ def report(runs: list[dict[str, Any]], args: argparse.Namespace) -> None:
                 "per batch, "
                 f"{args.batches} batches per size; keys {args.keys}; Change Data Feed {args.change_data_feed}; "
                 "Delta's figures of the last batch)", header, lines)  # fmt: skip
+    if args.write_mode == "both":
+        for run in runs:
+            medians = run["median_seconds_by_mode"]
+            print(f"  {run['rows']:,} rows: median {medians['rewrite']:.2f} s with the touched files rewritten, "
+                  f"{medians['vectors']:.2f} s with deletion vectors (rewrite / vectors "
+                  f"{medians['rewrite'] / medians['vectors']:.2f}); the pipeline rewrites below "
+                  f"{mirror_module.REWRITE_FILES_BELOW_BYTES // (1024 * 1024)} MB")  # fmt: skip
     if len(runs) > 1:
         small, large = runs[0], runs[-1]
         growth = large["median_seconds"] / small["median_seconds"]
@@ -294,6 +318,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="the batch's keys: uniform over the mirror, or from its newest 1 %% (random)")  # fmt: skip
     parser.add_argument("--change-data-feed", choices=["on", "off"], default="on",
                         help="the mirror's Change Data Feed in the batches (on: as the pipeline makes it)")  # fmt: skip
+    parser.add_argument("--write-mode", choices=sorted(WRITE_MODES), default="pipeline",
+                        help="how the MERGE writes the mirror: as the pipeline chooses by its size, always "
+                        "rewriting the touched files, always with deletion vectors, or each batch both ways "
+                        "(pipeline)")  # fmt: skip
     return parser.parse_args(argv)
 
 
