@@ -215,9 +215,9 @@ def run_size(spark: Any, rows: int, args: argparse.Namespace) -> dict[str, Any]:
     # the first size's first batch warms the JVM (compiles the MERGE's code) and is not counted
     warm_up = 1 if rows == min(int(s) for s in args.sizes.replace("_", "").split(",") if s.strip()) else 0
     modes = WRITE_MODES[args.write_mode]
-    for number, mode in itertools.product(range(args.batches + warm_up), range(len(modes))):
+    for number, turn in itertools.product(range(args.batches + warm_up), range(len(modes))):
         # with two modes, each batch is applied once in each, in turns first, to the same restored mirror
-        mode = modes[(mode + number) % len(modes)]
+        mode = modes[(turn + number) % len(modes)]
         mirror_module.REWRITE_FILES_BELOW_BYTES = REWRITE_BELOW[mode]
         spark.sql(f"RESTORE TABLE delta.{q(path)} TO VERSION AS OF {version}")
         if args.change_data_feed == "off":  # a metadata commit; the RESTORE above undoes it for the next batch
