@@ -95,7 +95,7 @@ from cdc_assets.lake import staging
 from cdc_assets.lake import windows as window_log
 from cdc_assets.lake.files import LakePath
 from cdc_assets.lake.layout import SourceLake
-from cdc_assets.lake.mirror import StagedRowsMismatch, append_changelog, apply_changes, reconcile
+from cdc_assets.lake.mirror import USER_METADATA, StagedRowsMismatch, append_changelog, apply_changes, reconcile
 from cdc_assets.lake.spark import DRIVER_MEMORY, big_batch_conf, default_driver_memory, session_conf
 from cdc_assets.lake.watermark_window import run_window
 from cdc_assets.source import (
@@ -110,7 +110,6 @@ from cdc_assets.source import (
     TableT,
 )
 
-USER_METADATA = "spark.databricks.delta.commitInfo.userMetadata"
 # how often one batch resolves the captured tables again before it gives up (each time the dialect met a table the
 # source captures now; more than a few in a row means tables are created faster than a batch is read)
 RESOLVE_AGAIN_LIMIT = 5

@@ -12,7 +12,10 @@ Contract:
 - ``append_changelog``: appends a batch's changes, skipping those at or below the offset recorded in the changelog's
   last commit (``userMetadata``; a retried batch appends nothing twice: batches are contiguous in commit order, one
   table's append is one atomic Delta commit, and only stream batches write changelogs); a batch re-read smaller
-  than one already appended (its offset at or below the last commit's) appends nothing and commits nothing.
+  than one already appended (its offset at or below the last commit's) appends nothing and commits nothing. The
+  last commit's position is read from the changelog's history (two Spark jobs), except right after this process's
+  own append (``changelog_position``): when the table's id and version are still those that append left (Delta's
+  snapshot, no Spark job; one writer per lake table), the position that append carried is the answer.
 - Column names Delta refuses by default (spaces, ``,;{}()=``, tab, newline) are kept as they are: a mirror or
   changelog that holds one is created with (or switched to) Delta column mapping by name
   (``cdc_assets.lake.column_mapping``); the commits that do so carry no offset and are not taken for one.
@@ -111,6 +114,7 @@ from cdc_assets.lake.delta_tables import (
     ColumnBound,
     clear_interrupted_create,
     column_upper_bound,
+    current_snapshot,
     table_or_none,
     table_state,
 )
@@ -229,6 +233,25 @@ MAINTENANCE_OPERATIONS = ("OPTIMIZE", "VACUUM START", "VACUUM END")
 SCHEMA_OPERATIONS = ("CREATE TABLE", "SET TBLPROPERTIES")
 
 
+# the session setting every Delta commit of a stream batch carries its offset and position in (``userMetadata``)
+USER_METADATA = "spark.databricks.delta.commitInfo.userMetadata"
+
+
+def metadata_position(text: str | None) -> int | None:
+    """The batch position a commit's ``userMetadata`` text records (``position``; a commit written before positions
+    were recorded holds only PostgreSQL's ``lsn`` text ``X/Y``, read as the position it is), or None."""
+    if not text:
+        return None
+    try:
+        metadata = json.loads(text)
+        if "position" in metadata:
+            return int(metadata["position"])
+        high, low = str(metadata["lsn"]).split("/")
+        return (int(high, 16) << 32) | int(low, 16)
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
 def last_applied_position(spark: SparkSession, path: str) -> int | None:
     """The batch position (``position``) in the ``userMetadata`` of the latest stream commit (every stream commit
     carries its batch's offset and position; maintenance commits, ``cdc_assets.lake.maintenance``, carry none and
@@ -247,16 +270,45 @@ def last_applied_position(spark: SparkSession, path: str) -> int | None:
         )
         if row is not None:
             break
-    if row is None or not row[0]:
+    return None if row is None else metadata_position(row[0])
+
+
+# per changelog path: (Delta table id, version, position) of the append this process committed last
+_APPENDED: dict[str, tuple[str, int, int | None]] = {}
+
+
+def _table_identity(spark: SparkSession, path: str) -> tuple[str, int] | None:
+    """The table's id (Delta's ``metaData.id``, new for a table made again at the same path) and version now, from
+    Delta's own snapshot (no Spark job), or None (no JVM, an internal API another Delta version may lack)."""
+    snapshot = current_snapshot(spark, path)
+    if snapshot is None:
         return None
     try:
-        metadata = json.loads(row[0])
-        if "position" in metadata:
-            return int(metadata["position"])
-        high, low = str(metadata["lsn"]).split("/")
-        return (int(high, 16) << 32) | int(low, 16)
-    except (ValueError, KeyError, TypeError, AttributeError):
+        return str(snapshot.metadata().id()), int(snapshot.version())
+    except Exception:
         return None
+
+
+def changelog_position(spark: SparkSession, path: str) -> int | None:
+    """``last_applied_position`` of the changelog at ``path``, answered without reading its history when its newest
+    commit is the append this process made last (same table id, same version: one writer per lake table, so nobody
+    committed since). Otherwise (another process, a maintenance or schema commit since, the table made again) the
+    history is read. Why: that read is two Spark jobs, about a third of a small batch's changelog phase."""
+    remembered = _APPENDED.get(path)
+    if remembered is not None and _table_identity(spark, path) == remembered[:2]:
+        return remembered[2]
+    return last_applied_position(spark, path)
+
+
+def _remember_append(spark: SparkSession, path: str, before: tuple[str, int] | None) -> None:
+    """After an append to the changelog at ``path`` whose table was at ``before`` just ahead of it: remember the
+    position its commit carries when the table is now exactly one version later (that commit is the append's: an
+    append of no rows may commit nothing, and a retried commit may land after another one); forget it otherwise."""
+    _APPENDED.pop(path, None)
+    after = _table_identity(spark, path)
+    if before is None or after is None or after != (before[0], before[1] + 1):
+        return
+    _APPENDED[path] = (*after, metadata_position(spark.conf.get(USER_METADATA, None)))
 
 
 def nullable(data_type: T.DataType) -> T.DataType:
@@ -277,7 +329,7 @@ def append_changelog(spark: SparkSession, path: str, changes: DataFrame, batch_p
     the write: every change of it is there already. (Defensive: a commit with its lower position would make its
     successor append the changes in between twice; the test of a smaller re-read passes without this check too, so
     Delta's append of no rows records no such commit here.)"""
-    already = last_applied_position(spark, path)
+    already = changelog_position(spark, path)
     if already is not None and batch_position is not None and batch_position <= already:
         return
     if already is not None:
@@ -296,7 +348,9 @@ def append_changelog(spark: SparkSession, path: str, changes: DataFrame, batch_p
             enable_column_mapping(spark, path, changes.schema)
         ensure_statistics_columns(spark, path, statistics)
     writer = changes.write.format("delta").mode("append").option("mergeSchema", "true")
+    before = _table_identity(spark, path)
     commit_with_retry(lambda: writer.save(path), f"changelog {path}")
+    _remember_append(spark, path, before)
 
 
 # ------------------------------------------------------------------------------------------------------------
