@@ -4,6 +4,8 @@
 # write workload on each, and Dagster (webserver + daemon). The planner sensors plan chunks and request the initial
 # snapshots; the streaming sensors keep the Delta mirrors under .state/lake current.
 # Ctrl-C stops everything it started (Dagster, the workloads, PostgreSQL, the MongoDB server).
+# So does SIGTERM (kill <pid>). Started in the background by a shell without job control (`scripts/demo.sh &` in a
+# script), bash ignores SIGINT from the start and can not trap it: stop it with SIGTERM then.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
