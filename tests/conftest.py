@@ -213,4 +213,50 @@ def spark(request: pytest.FixtureRequest):
     lake_root = request.getfixturevalue("s3_lake") if uses_s3_lake(request.session) else None
     session = spark_session(SparkConfig(master="local[2]"), lake_root)
     yield session
-    session.stop()
+    if spark_driver_exit_code(session) is None:
+        session.stop()
+
+
+SPARK_DRIVER_DEATH = pytest.StashKey[str]()
+
+
+def spark_driver_exit_code(session) -> int | None:
+    """The exit code of the session's driver JVM (pyspark's ``Popen`` of it), None while it runs."""
+    process = getattr(session.sparkContext._gateway, "proc", None)
+    return None if process is None else process.poll()
+
+
+def memory_holders(count: int = 6) -> str:
+    """The machine's used memory and its largest processes by resident memory, for a failure message."""
+    import psutil
+
+    rows = []
+    for process in psutil.process_iter(["pid", "name", "memory_info", "cmdline"]):
+        info = process.info
+        if info["memory_info"] is not None:
+            rows.append((info["memory_info"].rss, info["pid"], " ".join(info["cmdline"] or [info["name"] or ""])[:80]))
+    rows.sort(reverse=True)
+    used = psutil.virtual_memory()
+    listed = "; ".join(f"{rss / 2**20:.0f} MB pid {pid} {command}" for rss, pid, command in rows[:count])
+    return f"used {used.used / 2**20:.0f} of {used.total / 2**20:.0f} MB; largest: {listed}"
+
+
+@pytest.fixture(autouse=True)
+def spark_driver_outlives_each_test(request: pytest.FixtureRequest) -> Iterator[None]:
+    """A test that uses ``spark`` fails at its set-up, naming the test in which the session's driver JVM died, when
+    it died before (instead of py4j's "connection refused" from inside the test); the test in which it dies gets an
+    error at its teardown that says so, with the JVM's exit code (-9: SIGKILL, which is what the kernel's OOM killer
+    sends; 52: Spark's own exit on ``java.lang.OutOfMemoryError``) and what held the machine's memory then."""
+    if "spark" not in request.fixturenames:
+        yield
+        return
+    died = request.config.stash.get(SPARK_DRIVER_DEATH, None)
+    if died is not None:
+        pytest.fail(f"the session's Spark driver JVM died before this test: {died}", pytrace=False)
+    session = request.getfixturevalue("spark")
+    yield
+    code = spark_driver_exit_code(session)
+    if code is not None:
+        died = f"during {request.node.nodeid}, exit code {code} ({memory_holders()})"
+        request.config.stash[SPARK_DRIVER_DEATH] = died
+        pytest.fail(f"the session's Spark driver JVM died {died}", pytrace=False)

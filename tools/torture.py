@@ -138,6 +138,7 @@ def source_kind(kind: str) -> type[TortureSource]:
 
 # ----------------------------------------------------------------------------------------------------------------
 # Workers: one Spark driver per process; tasks as JSON lines on stdin, results on a private pipe
+WORKER_DRIVER_MEMORY = "2g"
 
 
 def _emit(channel: IO[str], message: dict[str, Any]) -> None:
@@ -196,8 +197,10 @@ def worker_main(role: str, kind: str, result_fd: int, broken: bool, patched: boo
     torture = source_kind(kind)
     if broken and role == "stream":
         torture.break_settled_rule()
-    # short-lived drivers (killed at random); its own collector replaces the default's: the JVM refuses two
-    conf = {"spark.driver.extraJavaOptions": SHORT_LIVED_DRIVER_OPTIONS}
+    # short-lived drivers (killed at random); its own collector replaces the default's: the JVM refuses two. A heap
+    # of ``WORKER_DRIVER_MEMORY``, not the default quarter of the machine: the harness's data is a few MB, and its
+    # three drivers run beside a whole test suite whose own driver needs its default heap (the big-values tests)
+    conf = {"spark.driver.extraJavaOptions": SHORT_LIVED_DRIVER_OPTIONS, "spark.driver.memory": WORKER_DRIVER_MEMORY}
     spark = spark_session(SparkConfig(master=WORKER_MASTER, conf=conf))
     warm_up(spark)
     _emit(channel, {"ready": True, "patches": patches})
