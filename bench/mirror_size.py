@@ -23,6 +23,15 @@ In one process (one Spark driver, ``local[2]``, as a long-lived stream run's), f
    it touches rewritten and once with deletion vectors (``merge_write_conf``; ``rewrite`` or ``vectors`` alone:
    one of them; default ``pipeline``: as ``apply_changes`` chooses by the mirror's size), and prints both medians.
 
+3. Floor (``--floor on``, the default), after each of our batches, in the same warm driver, from the same restored
+   version and with the batch's updated rows materialized beforehand (untimed): **Delta alone**, its plainest
+   statement that updates those rows in place (a MERGE on the key with one matched-update clause, no position
+   condition, no insert clause, no net change to compute; deletion vectors or rewritten files as ``apply_changes``
+   would choose for the mirror's size), and **the key scan**, Spark reading the mirror's key column and keeping the
+   batch's keys (a semi-join counted): the least any write has to read to find uniformly random keys without an
+   index of its own. Their growth from the smallest to the largest size is printed beside ours: when Delta's MERGE
+   alone grows more than 2x, target 3 is out of reach for any batch written through it.
+
 What this leaves out, because it does not depend on the mirror: reading the batch from the source (slot peek,
 decode, spill) and appending it to the changelog (``bench.stream`` measures both).
 
@@ -232,7 +241,6 @@ def run_size(spark: Any, rows: int, args: argparse.Namespace) -> dict[str, Any]:
         started = time.monotonic()
         apply_changes(spark, path, changes, source_fields(), ["id"], set())
         seconds = time.monotonic() - started
-        changes.unpersist()
         table = DeltaTable.forPath(spark, path)
         commits = table.history().where(f"version > {start}").orderBy("version").collect()  # the batch's
         metrics = {k: sum(int((c["operationMetrics"] or {}).get(k, 0)) for c in commits) for k in MERGE_METRICS}
@@ -243,13 +251,20 @@ def run_size(spark: Any, rows: int, args: argparse.Namespace) -> dict[str, Any]:
                                f"(expected {rows + args.inserts} and {args.updates + args.inserts})")  # fmt: skip
         counted = number >= warm_up
         operations = [c["operation"] for c in commits]
+        floor = delta_floor(spark, path, version, changes, args.updates) if args.floor == "on" else {}
+        changes.unpersist()
         if counted:
-            batches.append({"seconds": round(seconds, 2), "mode": mode, "operations": operations, **metrics})
+            batches.append({"seconds": round(seconds, 2), "mode": mode, "operations": operations, **metrics, **floor})
         print(f"[mirror_size] {rows:,} rows, batch {number}{'' if counted else ' (warm-up, not counted)'} "
-              f"({mode}): {seconds:.2f} s {operations} {metrics}", flush=True)  # fmt: skip
+              f"({mode}): {seconds:.2f} s {operations} {metrics} {floor}", flush=True)  # fmt: skip
     mirror_module.REWRITE_FILES_BELOW_BYTES = REWRITE_BELOW["pipeline"]
     spark.sql(f"RESTORE TABLE delta.{q(path)} TO VERSION AS OF {version}")
+    floors = {
+        name: statistics.median(b[name] for b in batches) if batches and name in batches[0] else None
+        for name in FLOOR_FIGURES
+    }
     return {
+        **{f"median_{name}": value for name, value in floors.items()},
         "rows": rows,
         "files": files,
         "build_seconds": round(build_seconds, 1),
@@ -261,9 +276,47 @@ def run_size(spark: Any, rows: int, args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+FLOOR_FIGURES = ("delta_merge_seconds", "key_scan_seconds")
+
+
+def delta_floor(spark: Any, path: str, version: int, changes: Any, updates: int) -> dict[str, float]:
+    """Step 3: from the built ``version`` again, the seconds Spark takes to find the batch's updated keys in the
+    mirror's key column (``key_scan_seconds``), then Delta's plainest in-place update of those rows
+    (``delta_merge_seconds``), each on rows materialized before its clock starts. Checked: the scan finds every
+    one of the ``updates`` keys and the MERGE updates exactly those rows (Delta's own count)."""
+    from delta.tables import DeltaTable
+    from pyspark.sql import functions as F
+
+    from cdc_assets.lake.mirror import q
+    from cdc_assets.lake.spark import session_conf
+
+    updated = changes.where(F.col("_cdc_op") == "u").select("after.*", "_cdc_op", "_cdc_position", "_cdc_ts").cache()
+    updated.count()
+    keys = updated.select("id").cache()
+    keys.count()
+    spark.sql(f"RESTORE TABLE delta.{q(path)} TO VERSION AS OF {version}")
+    table = DeltaTable.forPath(spark, path)
+    size_bytes = table.detail().first()["sizeInBytes"]
+    started = time.monotonic()
+    found = spark.read.format("delta").load(path).select("id").join(keys, "id", "left_semi").count()
+    key_scan = time.monotonic() - started
+    assignments = {q(c): F.col(f"s.{q(c)}") for c in updated.columns}
+    started = time.monotonic()
+    with session_conf(spark, mirror_module.merge_write_conf(size_bytes)):
+        outcome = table.alias("t").merge(updated.alias("s"), "t.id = s.id").whenMatchedUpdate(set=assignments).execute()
+    delta_merge = time.monotonic() - started
+    written = outcome.first().asDict().get("num_updated_rows")
+    updated.unpersist()
+    keys.unpersist()
+    if found != updates or written != updates:
+        raise RuntimeError(f"floor of {path}: the key scan found {found} keys and Delta's MERGE updated {written} "
+                           f"rows (expected {updates} each)")  # fmt: skip
+    return {"delta_merge_seconds": round(delta_merge, 2), "key_scan_seconds": round(key_scan, 2)}
+
+
 def report(runs: list[dict[str, Any]], args: argparse.Namespace) -> None:
     header = ["mirror rows", "files", "median s", "batches s", "files removed->added", "rows copied",
-              "DVs added", "scan ms", "rewrite ms"]  # fmt: skip
+              "DVs added", "scan ms", "rewrite ms", "Delta alone s", "key scan s"]  # fmt: skip
     lines = []
     for run in runs:
         last = run["batches"][-1]
@@ -271,6 +324,7 @@ def report(runs: list[dict[str, Any]], args: argparse.Namespace) -> None:
             run["rows"], run["files"], run["median_seconds"], " ".join(str(b["seconds"]) for b in run["batches"]),
             f"{last['numTargetFilesRemoved']}->{last['numTargetFilesAdded']}", last["numTargetRowsCopied"],
             last["numTargetDeletionVectorsAdded"], last["scanTimeMs"], last["rewriteTimeMs"],
+            run["median_delta_merge_seconds"], run["median_key_scan_seconds"],
         ])  # fmt: skip
     print()
     print_table(f"Batch cost against mirror size ({machine()}; {args.updates} updates and {args.inserts} inserts "
@@ -289,6 +343,7 @@ def report(runs: list[dict[str, Any]], args: argparse.Namespace) -> None:
         growth = large["median_seconds"] / small["median_seconds"]
         print(f"  growth {small['rows']:,} -> {large['rows']:,} rows: {growth:.2f}x (target <= 2.0x: "
               f"{'met' if growth <= 2.0 else 'not met'})")  # fmt: skip
+        print(floor_line(small, large))
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
     ax.plot([r["rows"] for r in runs], [r["median_seconds"] for r in runs], "o-", label="median batch seconds")
@@ -307,6 +362,19 @@ def report(runs: list[dict[str, Any]], args: argparse.Namespace) -> None:
     save_figure(fig, f"mirror_size{suffix}.png")
 
 
+def floor_line(small: dict[str, Any], large: dict[str, Any]) -> str:
+    """The floor's growth between two sizes (step 3), and whether target 3 is within reach of Delta's MERGE."""
+    merge = (small["median_delta_merge_seconds"], large["median_delta_merge_seconds"])
+    scan = (small["median_key_scan_seconds"], large["median_key_scan_seconds"])
+    if None in merge or None in scan:
+        return "  floor: not measured (--floor off)"
+    merge_growth, scan_growth = merge[1] / merge[0], scan[1] / scan[0]
+    reach = "within reach" if merge_growth <= 2.0 else "out of reach for a batch written through Delta's MERGE"
+    return (f"  floor, Delta alone (plainest in-place MERGE of the same rows): {merge[0]:.2f} -> {merge[1]:.2f} s, "
+            f"growth {merge_growth:.2f}x; key scan (Spark reading the key column to find the keys): {scan[0]:.2f} -> "
+            f"{scan[1]:.2f} s, growth {scan_growth:.2f}x; target 3 (<= 2.0x) is {reach}")  # fmt: skip
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", default="1000000,10000000,50000000", help="mirror rows, comma-separated")
@@ -322,6 +390,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="how the MERGE writes the mirror: as the pipeline chooses by its size, always "
                         "rewriting the touched files, always with deletion vectors, or each batch both ways "
                         "(pipeline)")  # fmt: skip
+    parser.add_argument("--floor", choices=["on", "off"], default="on",
+                        help="also time Delta alone and the key scan on each batch's rows (step 3; on)")  # fmt: skip
     return parser.parse_args(argv)
 
 
