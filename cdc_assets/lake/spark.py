@@ -54,6 +54,7 @@ from cdc_assets.lake.object_store import endpoint_from_env, location_scheme, reg
 ROOT = Path(__file__).resolve().parents[2]
 
 DERBY_OPTION = "-Dderby.system.home=/tmp/cdc-derby"
+CHECKPOINT_INTERVAL_DEFAULT = "spark.databricks.delta.properties.defaults.checkpointInterval"
 DRIVER_JAVA_OPTIONS = "spark.driver.extraJavaOptions"
 # for a driver that lives seconds to minutes (a test's runs, the torture harness's workers): C1-only JIT and the
 # serial collector start and warm up about twice as fast on a small machine (a torture run's workers: 235 CPU-s
@@ -71,6 +72,15 @@ BASE_CONF: dict[str, str] = {
     "spark.ui.showConsoleProgress": "false",
     "spark.databricks.delta.retentionDurationCheck.enabled": "false",
     "spark.databricks.delta.snapshotPartitions": "2",  # default 50: slow state reconstruction of small logs
+    # every Delta table this session creates (mirrors, changelogs) writes a checkpoint of its log every 100 commits,
+    # not Delta's 10: the checkpoint is written inside the commit's call, so with two tables a stream batch every
+    # 10th commit paid one (0.5-1.4 s on a 50k-row mirror) and a fifth of the batches carried one, which is the
+    # p95 of the commit-to-mirror latency (bench.freshness, 2026-12-03: p95 4.39 s against 4.91 and 5.01 s, the
+    # changelog phase's p95 0.38 against 0.77 s); a snapshot read 99 commit files after the checkpoint no slower
+    # than 9 (50k-row mirror, 100 batches). On an object store each of those files is a request: a lake there may
+    # lower it in cdc.yaml's spark.conf. Tables made before keep theirs (ALTER TABLE ... SET TBLPROPERTIES
+    # (delta.checkpointInterval = 100) brings one to it).
+    CHECKPOINT_INTERVAL_DEFAULT: "100",
     # compiled (codegen) classes kept across batches: one stream batch's MERGE, changelog append and reconciliation
     # generate more classes than the default cache of 100 holds, so every batch compiled them all again
     # (bench.stream, 50k-row mirror, 10 batches of 8k changes: 71.3 s with 100 entries, 54-58 s with 2000)
