@@ -349,6 +349,9 @@ def report(runs: list[dict[str, Any]], args: argparse.Namespace) -> None:
     ax.plot([r["rows"] for r in runs], [r["median_seconds"] for r in runs], "o-", label="median batch seconds")
     for run in runs:
         ax.scatter([run["rows"]] * len(run["batches"]), [b["seconds"] for b in run["batches"]], s=10, color="gray")
+    for name, label in (("median_delta_merge_seconds", "Delta alone (floor)"), ("median_key_scan_seconds", "key scan")):
+        if all(run.get(name) is not None for run in runs):
+            ax.plot([r["rows"] for r in runs], [r[name] for r in runs], "s--", label=label)
     ax.set_xscale("log")
     ax.set_xlabel("mirror rows")
     ax.set_ylabel(
