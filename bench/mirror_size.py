@@ -29,8 +29,11 @@ In one process (one Spark driver, ``local[2]``, as a long-lived stream run's), f
    condition, no insert clause, no net change to compute; deletion vectors or rewritten files as ``apply_changes``
    would choose for the mirror's size), and **the key scan**, Spark reading the mirror's key column and keeping the
    batch's keys (a semi-join counted): the least any write has to read to find uniformly random keys without an
-   index of its own. Their growth from the smallest to the largest size is printed beside ours: when Delta's MERGE
-   alone grows more than 2x, target 3 is out of reach for any batch written through it.
+   index of its own; and **Delta's DELETE by the keys then an append**, the same rows written as a ``DELETE``
+   whose condition lists the batch's keys (deletion vectors placed from the key column of the files the keys fall
+   in) and a plain append of the rows' new images, in two commits. Their growth from the smallest to the largest
+   size is printed beside ours: when Delta's MERGE alone grows more than 2x, target 3 is out of reach for any batch
+   written through it; the DELETE and append line says whether it is within reach written that way.
 
 What this leaves out, because it does not depend on the mirror: reading the batch from the source (slot peek,
 decode, spill) and appending it to the changelog (``bench.stream`` measures both).
@@ -276,7 +279,7 @@ def run_size(spark: Any, rows: int, args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-FLOOR_FIGURES = ("delta_merge_seconds", "key_scan_seconds")
+FLOOR_FIGURES = ("delta_merge_seconds", "key_scan_seconds", "delete_append_seconds")
 
 
 def delta_floor(spark: Any, path: str, version: int, changes: Any, updates: int) -> dict[str, float]:
@@ -306,17 +309,37 @@ def delta_floor(spark: Any, path: str, version: int, changes: Any, updates: int)
         outcome = table.alias("t").merge(updated.alias("s"), "t.id = s.id").whenMatchedUpdate(set=assignments).execute()
     delta_merge = time.monotonic() - started
     written = outcome.first().asDict().get("num_updated_rows")
+    # Delta's DELETE by the batch's keys (deletion vectors, reading the key column of the files the keys fall in),
+    # then an append of the rows' new images: the same net rows, in two commits
+    mirror = spark.read.format("delta").load(path)
+    new_rows = mirror.limit(0).unionByName(updated, allowMissingColumns=True).cache()
+    new_rows.count()
+    key_list = ",".join(str(row["id"]) for row in keys.collect())
+    spark.sql(f"RESTORE TABLE delta.{q(path)} TO VERSION AS OF {version}")
+    table = DeltaTable.forPath(spark, path)
+    started = time.monotonic()
+    table.delete(f"id IN ({key_list})")  # SQL text: a Column of 10k literals costs seconds of Py4J calls
+    new_rows.write.format("delta").mode("append").save(path)
+    delete_append = time.monotonic() - started
+    deleted = int((table.history(2).orderBy("version").first()["operationMetrics"] or {}).get("numDeletedRows", -1))
+    at_batch = spark.read.format("delta").load(path).join(keys, "id", "left_semi").count()
+    new_rows.unpersist()
     updated.unpersist()
     keys.unpersist()
-    if found != updates or written != updates:
-        raise RuntimeError(f"floor of {path}: the key scan found {found} keys and Delta's MERGE updated {written} "
-                           f"rows (expected {updates} each)")  # fmt: skip
-    return {"delta_merge_seconds": round(delta_merge, 2), "key_scan_seconds": round(key_scan, 2)}
+    if found != updates or written != updates or deleted != updates or at_batch != updates:
+        raise RuntimeError(f"floor of {path}: the key scan found {found} keys, Delta's MERGE updated {written} "
+                           f"rows, its DELETE deleted {deleted} and the append left {at_batch} rows of the keys "
+                           f"(expected {updates} each)")  # fmt: skip
+    return {
+        "delta_merge_seconds": round(delta_merge, 2),
+        "key_scan_seconds": round(key_scan, 2),
+        "delete_append_seconds": round(delete_append, 2),
+    }
 
 
 def report(runs: list[dict[str, Any]], args: argparse.Namespace) -> None:
     header = ["mirror rows", "files", "median s", "batches s", "files removed->added", "rows copied",
-              "DVs added", "scan ms", "rewrite ms", "Delta alone s", "key scan s"]  # fmt: skip
+              "DVs added", "scan ms", "rewrite ms", "Delta alone s", "key scan s", "delete+append s"]  # fmt: skip
     lines = []
     for run in runs:
         last = run["batches"][-1]
@@ -324,7 +347,7 @@ def report(runs: list[dict[str, Any]], args: argparse.Namespace) -> None:
             run["rows"], run["files"], run["median_seconds"], " ".join(str(b["seconds"]) for b in run["batches"]),
             f"{last['numTargetFilesRemoved']}->{last['numTargetFilesAdded']}", last["numTargetRowsCopied"],
             last["numTargetDeletionVectorsAdded"], last["scanTimeMs"], last["rewriteTimeMs"],
-            run["median_delta_merge_seconds"], run["median_key_scan_seconds"],
+            run["median_delta_merge_seconds"], run["median_key_scan_seconds"], run["median_delete_append_seconds"],
         ])  # fmt: skip
     print()
     print_table(f"Batch cost against mirror size ({machine()}; {args.updates} updates and {args.inserts} inserts "
@@ -349,7 +372,11 @@ def report(runs: list[dict[str, Any]], args: argparse.Namespace) -> None:
     ax.plot([r["rows"] for r in runs], [r["median_seconds"] for r in runs], "o-", label="median batch seconds")
     for run in runs:
         ax.scatter([run["rows"]] * len(run["batches"]), [b["seconds"] for b in run["batches"]], s=10, color="gray")
-    for name, label in (("median_delta_merge_seconds", "Delta alone (floor)"), ("median_key_scan_seconds", "key scan")):
+    for name, label in (
+        ("median_delta_merge_seconds", "Delta alone: in-place MERGE (floor)"),
+        ("median_key_scan_seconds", "key scan"),
+        ("median_delete_append_seconds", "Delta: DELETE by keys + append"),
+    ):
         if all(run.get(name) is not None for run in runs):
             ax.plot([r["rows"] for r in runs], [r[name] for r in runs], "s--", label=label)
     ax.set_xscale("log")
@@ -369,13 +396,17 @@ def floor_line(small: dict[str, Any], large: dict[str, Any]) -> str:
     """The floor's growth between two sizes (step 3), and whether target 3 is within reach of Delta's MERGE."""
     merge = (small["median_delta_merge_seconds"], large["median_delta_merge_seconds"])
     scan = (small["median_key_scan_seconds"], large["median_key_scan_seconds"])
-    if None in merge or None in scan:
+    delete = (small["median_delete_append_seconds"], large["median_delete_append_seconds"])
+    if None in merge or None in scan or None in delete:
         return "  floor: not measured (--floor off)"
-    merge_growth, scan_growth = merge[1] / merge[0], scan[1] / scan[0]
+    merge_growth, scan_growth, delete_growth = merge[1] / merge[0], scan[1] / scan[0], delete[1] / delete[0]
     reach = "within reach" if merge_growth <= 2.0 else "out of reach for a batch written through Delta's MERGE"
+    other = "within reach" if delete_growth <= 2.0 else "out of reach"
     return (f"  floor, Delta alone (plainest in-place MERGE of the same rows): {merge[0]:.2f} -> {merge[1]:.2f} s, "
             f"growth {merge_growth:.2f}x; key scan (Spark reading the key column to find the keys): {scan[0]:.2f} -> "
-            f"{scan[1]:.2f} s, growth {scan_growth:.2f}x; target 3 (<= 2.0x) is {reach}")  # fmt: skip
+            f"{scan[1]:.2f} s, growth {scan_growth:.2f}x; target 3 (<= 2.0x) is {reach}\n"
+            f"  Delta's DELETE by the keys (deletion vectors) + an append of the new rows: {delete[0]:.2f} -> "
+            f"{delete[1]:.2f} s, growth {delete_growth:.2f}x; target 3 is {other} written that way")  # fmt: skip
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
