@@ -17,6 +17,7 @@ records that evaluation, and a run of the check evaluates it again.
 
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
@@ -33,8 +34,10 @@ from dagster import (
     AssetsDefinition,
     AssetSpec,
     BackfillPolicy,
+    DagsterExecutionInterruptedError,
     DagsterRunStatus,
     DynamicPartitionsDefinition,
+    Failure,
     MaterializeResult,
     MetadataValue,
     RetryPolicy,
@@ -60,6 +63,24 @@ CHUNK_CHECK_NAME = "chunk_matches_source"
 CAPTURED_CHECK_NAME = "table_is_captured"
 # a retried step re-reads (snapshot: new attempt, new window) or re-applies idempotently (stream)
 RETRY = RetryPolicy(max_retries=3, delay=5)
+
+
+@contextmanager
+def not_retried_when_interrupted(step: str) -> Iterator[None]:
+    """Contract: an interrupt inside (the run terminated, or its process asked to stop, as ``dagster dev`` asks its
+    runs when it shuts down) ends the step as a ``Failure`` that ``RETRY`` does not retry, naming ``step``. Why:
+    Dagster's RetryPolicy retries interrupted steps too; a stream step started again while ``dagster dev`` shut
+    down kept it from ending, it was killed, and its runs stayed STARTED with no code server left to report them,
+    so the streaming sensor waited on them for good (docs/deployment.md). Other errors pass through unchanged."""
+    try:
+        yield
+    except (DagsterExecutionInterruptedError, KeyboardInterrupt) as interrupt:
+        raise Failure(
+            description=f"{step} was interrupted (its run was terminated or its process asked to stop); not retried",
+            allow_retries=False,
+        ) from interrupt
+
+
 ACTIVE_RUN_STATUSES = [
     DagsterRunStatus.QUEUED, DagsterRunStatus.NOT_STARTED, DagsterRunStatus.STARTING, DagsterRunStatus.STARTED,
 ]  # fmt: skip
@@ -117,7 +138,8 @@ def build_table_asset(source: SourceConfig, qualified_name: str) -> AssetsDefini
         if table is None:
             raise ValueError(f"source {source.name!r}: table {qualified_name} is no longer captured")
         indexes = sorted(chunk_index(k) for k in context.partition_keys)
-        report = pipeline.snapshot(context.resources.cdc.spark(), table, indexes, context.run.run_id)
+        with not_retried_when_interrupted(f"snapshot of {qualified_name} (source {source.name!r})"):
+            report = pipeline.snapshot(context.resources.cdc.spark(), table, indexes, context.run.run_id)
         paths = pipeline.lake.table(qualified_name)
         return MaterializeResult(
             metadata={
@@ -311,7 +333,11 @@ def build_stream_asset(source: SourceConfig, table_names: list[str]) -> AssetsDe
         """Batches back to back while the run lasts: each batch's offset is recorded (the event is stored when it is
         yielded), and only then may the source forget what it covers (PostgreSQL: the slot follows it). The run ends
         at ``run_seconds``, or after one batch when ``run_seconds`` is 0, or as soon as another run is waiting for the
-        source's lake-write pool."""
+        source's lake-write pool. An interrupt ends it without a retry (``not_retried_when_interrupted``)."""
+        with not_retried_when_interrupted(f"stream of source {source.name!r}"):
+            yield from batches(context)
+
+    def batches(context: AssetExecutionContext) -> Iterator[AssetMaterialization]:
         cdc = context.resources.cdc
         pipeline = cdc.pipeline(source.name)
         spark = cdc.spark()

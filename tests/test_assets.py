@@ -1,8 +1,11 @@
-"""The Dagster glue's pure helpers (``cdc_assets/assets.py``), without Dagster runs, Spark or a database."""
+"""The Dagster glue's pure helpers (``cdc_assets/assets.py``), without Spark or a database (one in-process Dagster
+run of a test asset)."""
 
 from __future__ import annotations
 
-from cdc_assets.assets import batch_log_line
+from dagster import DagsterEventType, DagsterExecutionInterruptedError, asset, materialize
+
+from cdc_assets.assets import RETRY, batch_log_line, not_retried_when_interrupted
 from cdc_assets.source import StreamReport
 
 
@@ -32,3 +35,24 @@ def test_a_batch_at_the_configured_bounds_says_nothing_of_them() -> None:
     report = report_with_bounds(failures=0)
     report.bounds["shrunk"] = False
     assert "SMALLER" not in batch_log_line(report)
+
+
+def test_an_interrupted_step_fails_once_instead_of_being_retried() -> None:
+    """Dagster's RetryPolicy retries a step that was interrupted; a stream step so restarted while ``dagster dev``
+    shut down kept it from ending, and its runs stayed STARTED for good once it was killed."""
+    attempts: list[int] = []
+
+    @asset(retry_policy=RETRY)
+    def interrupted_step() -> None:
+        attempts.append(1)
+        with not_retried_when_interrupted("the test's step"):
+            raise DagsterExecutionInterruptedError()
+
+    result = materialize([interrupted_step], raise_on_error=False)
+    assert not result.success
+    assert attempts == [1]
+    assert not [e for e in result.all_events if e.event_type == DagsterEventType.STEP_UP_FOR_RETRY]
+    failure = next(e for e in result.all_events if e.event_type == DagsterEventType.STEP_FAILURE)
+    assert "the test's step was interrupted (its run was terminated or its process asked to stop); not retried" in (
+        failure.step_failure_data.user_failure_data.description
+    )
