@@ -200,6 +200,12 @@ class StreamConfig:
     run_seconds: int = 0
     # how often a long-lived stream run asks the source whether a batch is due
     poll_seconds: int = 1
+    # a stream run still in flight this long past ``run_seconds`` is ended by Dagster's run monitor (the run's tag
+    # ``dagster/max_runtime`` = run_seconds + this; 0: no bound): a run whose code server died with it (a lost machine,
+    # ``kill -9`` of ``dagster dev``) stays STARTED, and the sensor launches no other run of the source until it ends.
+    # Above the longest batch the source can take (a batch that always outlasts it never completes; the run fails
+    # saying "Exceeded maximum runtime")
+    max_overrun_seconds: int = 1800
     # lake upkeep between stream batches (cdc_assets.lake.maintenance), each step at most this often (0: never; then
     # run it yourself): staged rows of finished snapshots dropped and tables compacted; files no longer referenced
     # deleted from storage (VACUUM)
@@ -207,6 +213,11 @@ class StreamConfig:
     vacuum_seconds: int = 86400
     # compaction packs files smaller than this into files of about this size
     compact_target_mb: int = 64
+
+    @property
+    def max_runtime_seconds(self) -> int | None:
+        """The bound of a stream run's time in flight (Dagster's ``dagster/max_runtime`` tag), None for no bound."""
+        return self.run_seconds + self.max_overrun_seconds if self.max_overrun_seconds else None
 
 
 @dataclass(frozen=True)
@@ -497,7 +508,7 @@ def _stream(raw: Any, where: str) -> StreamConfig:
         "interval_seconds", "max_changes", "max_lag_bytes", "spill_rows", "poll_seconds", "compact_target_mb",
         "max_batch_bytes", "spill_bytes", "max_lag_alert_bytes", "max_lag_alert_seconds", "sensor_timeout_seconds",
     }  # fmt: skip
-    zero_or_positive = {"run_seconds", "compact_seconds", "vacuum_seconds"}
+    zero_or_positive = {"run_seconds", "compact_seconds", "vacuum_seconds", "max_overrun_seconds"}
     stream = _mapping(raw, where, positive | zero_or_positive)
     defaults = StreamConfig()
     values = {k: _positive_int(stream.get(k, getattr(defaults, k)), f"{where}.{k}") for k in positive}

@@ -21,6 +21,10 @@ of events to find its current position) gets a failed lag check saying so, and a
 flight (the run reads the stream itself, and fails naming the cause if the source is down). The unanswered read goes
 on in the sensor's process and is dropped; what it learnt (the MongoDB test server's newest event) stays for the next
 tick.
+
+Each run it requests carries Dagster's ``dagster/max_runtime`` tag (``stream_run_tags``): a run whose code server
+died with it is ended by the run monitor once it is ``stream.max_overrun_seconds`` past ``run_seconds``, instead of
+holding the source's stream for good.
 """
 
 from dagster import (
@@ -43,9 +47,12 @@ from cdc_assets.assets import (
     stream_asset_key,
     unanswered_evaluation,
 )
+from cdc_assets.config import StreamConfig
 from cdc_assets.deadline import NoAnswer, within
 from cdc_assets.source import SourceLag
 from resources.cdc import CdcResource
+
+MAX_RUNTIME_TAG = "dagster/max_runtime"  # read by Dagster's run monitor (run_monitoring in the instance's dagster.yaml)
 
 
 def build_stream_sensor(source_name: str, job_name: str, interval_seconds: int) -> SensorDefinition:
@@ -73,7 +80,7 @@ def build_stream_sensor(source_name: str, job_name: str, interval_seconds: int) 
                 return SkipReason(f"startup_mode is 'snapshot': {silent} (stream.sensor_timeout_seconds)")
             if reason is None:
                 return SkipReason("startup_mode is 'snapshot': no streaming, and no staged chunk waits for the stream")
-            tags = {"cdc/reason": f"startup_mode is 'snapshot': {reason} (the run streams no further)"}
+            tags = stream_run_tags(source.stream, f"startup_mode is 'snapshot': {reason} (the run streams no further)")
             return SensorResult(run_requests=[RunRequest(tags=tags)])
         pipeline = cdc.pipeline(source_name)
         key = stream_asset_key(source_name)
@@ -98,9 +105,20 @@ def build_stream_sensor(source_name: str, job_name: str, interval_seconds: int) 
             return SensorResult(skip_reason=skip, asset_events=events)
         if reason is None:
             return SensorResult(skip_reason="nothing new", asset_events=events)
-        return SensorResult(run_requests=[RunRequest(tags={"cdc/reason": reason})], asset_events=events)
+        return SensorResult(run_requests=[RunRequest(tags=stream_run_tags(source.stream, reason))], asset_events=events)
 
     return stream_sensor
+
+
+def stream_run_tags(stream: StreamConfig, reason: str) -> dict[str, str]:
+    """A stream run's tags: why it was requested (``cdc/reason``), and its bound in flight (``dagster/max_runtime``:
+    ``stream.run_seconds`` + ``stream.max_overrun_seconds``), past which Dagster's run monitor cancels it and marks
+    it failed, also when no process is left to report it (its code server lost with it), so this sensor's "still in
+    flight" ends and the next tick launches a run that goes on from the recorded offset."""
+    tags = {"cdc/reason": reason}
+    if stream.max_runtime_seconds is not None:
+        tags[MAX_RUNTIME_TAG] = str(stream.max_runtime_seconds)
+    return tags
 
 
 def _running():

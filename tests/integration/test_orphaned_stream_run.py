@@ -1,0 +1,176 @@
+"""A stream run orphaned by the loss of the processes that ran it (``kill -9`` of everything Dagster started, as a
+lost machine or a killed ``dagster dev``) is ended by Dagster's run monitor at its ``dagster/max_runtime`` tag, and
+the streaming sensor then launches the next run, which goes on from the recorded offset.
+
+Real processes throughout: ``dagster-daemon run`` (sensors, run queue, run monitor, the code server it starts and
+the runs that server launches, each with its Spark driver) on a SQLite instance with the demo's ``dagster.yaml``
+(its monitor's poll shortened), a real PostgreSQL source and a Delta mirror. Without the tag the orphaned run stays
+STARTED and every sensor tick skips "still in flight" (found in the demo on 2026-12-04): this test then times out
+waiting for the run to fail.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TypeVar
+
+import psycopg
+import pytest
+import yaml
+from dagster import DagsterEventType, DagsterInstance, DagsterRunStatus, RunsFilter
+from dagster._core.instance.ref import InstanceRef
+
+from cdc_assets.assets import stream_asset_key
+from cdc_assets.lake.spark import SHORT_LIVED_DRIVER_OPTIONS
+from sensors.stream import MAX_RUNTIME_TAG
+from tests.integration.support import PG_PORT, READER_PASSWORD, create_source, drop_source
+
+DATABASE = "orphan_run"
+SOURCE = "orphan"
+JOB = f"{SOURCE}_stream"
+ROOT = Path(__file__).resolve().parents[2]
+RUN_SECONDS = 20
+MAX_OVERRUN_SECONDS = 10
+
+CONFIG = """
+lake_root: {lake}
+spark: {{master: "local[2]", conf: {{spark.driver.extraJavaOptions: "{driver_options}"}}}}
+sources:
+  - name: {source}
+    kind: postgres
+    connection:
+      {{host: 127.0.0.1, port: {port}, dbname: {database}, user: {database}_reader, password: "${{ORPHAN_PW}}"}}
+    slot: {database}
+    publication: {database}
+    startup_mode: latest
+    include: ["public.pairs"]
+    checks: {{cron: "off"}}
+    stream: {{interval_seconds: 5, run_seconds: {run_seconds}, max_overrun_seconds: {overrun}}}
+"""
+
+T = TypeVar("T")
+
+
+def wait_for(what: str, probe: Callable[[], T], timeout: float, log: Path) -> T:
+    deadline = time.monotonic() + timeout
+    while not (value := probe()):
+        assert time.monotonic() < deadline, f"{what}: not within {timeout} s; daemon log:\n{log.read_text()[-4000:]}"
+        time.sleep(1)
+    return value
+
+
+@contextmanager
+def daemon(home: Path, config: Path, log: Path) -> Iterator[subprocess.Popen]:
+    """``dagster-daemon run`` on ``home``'s instance and the project's root ``Definitions``, in its own process group
+    (with the code server and the runs it starts); killed with the whole group on exit."""
+    env = {
+        **os.environ,
+        "DAGSTER_HOME": str(home),
+        "CDC_CONFIG": str(config),
+        "ORPHAN_PW": READER_PASSWORD,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]),
+    }
+    with log.open("a") as out:
+        process = subprocess.Popen(
+            [str(Path(sys.executable).parent / "dagster-daemon"), "run", "-m", "cdc_assets.definitions"],
+            cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+    try:
+        yield process
+    finally:
+        kill_group(process)
+
+
+def kill_group(process: subprocess.Popen) -> None:
+    """SIGKILL to every process of the group: the daemon, its code server, the runs and their Spark drivers; nothing
+    gets to report anything."""
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    process.wait(timeout=30)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(process.pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.5)
+
+
+@pytest.fixture
+def orphan_source(postgres_server: dict[str, str]) -> Iterator[str]:
+    admin_dsn = f"host={postgres_server['socket']} port={postgres_server['port']} user=postgres"
+    create_source(admin_dsn, DATABASE)
+    yield f"{admin_dsn} dbname={DATABASE}"
+    drop_source(admin_dsn, DATABASE)
+
+
+def test_a_stream_run_lost_with_its_code_server_is_ended_at_its_max_runtime_and_the_next_run_goes_on(
+    orphan_source: str, spark, tmp_path: Path
+) -> None:
+    home = tmp_path / "dagster_home"
+    home.mkdir()
+    instance_yaml = yaml.safe_load((ROOT / "dagster_home" / "dagster.yaml").read_text())
+    instance_yaml["run_monitoring"].update({"poll_interval_seconds": 2})
+    (home / "dagster.yaml").write_text(yaml.safe_dump(instance_yaml))
+    config = tmp_path / "cdc.yaml"
+    config.write_text(
+        CONFIG.format(
+            lake=tmp_path / "lake", driver_options=SHORT_LIVED_DRIVER_OPTIONS, source=SOURCE, port=PG_PORT,
+            database=DATABASE, run_seconds=RUN_SECONDS, overrun=MAX_OVERRUN_SECONDS,
+        )
+    )  # fmt: skip
+    log = tmp_path / "daemon.log"
+    instance = DagsterInstance.from_ref(InstanceRef.from_dir(str(home)))
+    admin = psycopg.connect(orphan_source, autocommit=True)
+    admin.execute("set synchronous_commit = on")
+
+    def runs(*statuses: DagsterRunStatus):
+        return instance.get_run_records(RunsFilter(job_name=JOB, statuses=list(statuses)))
+
+    def applied_batches(run_id: str) -> int:
+        return len(instance.get_records_for_run(run_id, of_type=DagsterEventType.ASSET_MATERIALIZATION).records)
+
+    try:
+        with daemon(home, config, log) as first:
+            admin.execute("insert into pairs values (1, 'before the loss', 1, 'x')")
+            (record,) = wait_for("a stream run started", lambda: runs(DagsterRunStatus.STARTED), 180, log)
+            orphan = record.dagster_run
+            assert orphan.tags[MAX_RUNTIME_TAG] == str(RUN_SECONDS + MAX_OVERRUN_SECONDS), orphan.tags
+            wait_for("the run's first batch", lambda: applied_batches(orphan.run_id), 180, log)
+            kill_group(first)
+        admin.execute("insert into pairs values (2, 'after the loss', 2, 'y')")
+        time.sleep(5)
+        assert instance.get_run_by_id(orphan.run_id).status == DagsterRunStatus.STARTED  # nothing reported it
+
+        with daemon(home, config, log):
+            wait_for(
+                "the orphaned run ended by the run monitor",
+                lambda: instance.get_run_by_id(orphan.run_id).status == DagsterRunStatus.FAILURE,
+                RUN_SECONDS + MAX_OVERRUN_SECONDS + 120, log,
+            )  # fmt: skip
+            ended = instance.get_run_record_by_id(orphan.run_id)
+            assert ended.end_time - ended.start_time >= RUN_SECONDS + MAX_OVERRUN_SECONDS
+            messages = [entry.message for entry in instance.all_logs(orphan.run_id)]
+            assert any("maximum runtime of 30 seconds" in message for message in messages), messages[-5:]
+
+            def successor_applied() -> list[str]:
+                later = [r.dagster_run.run_id for r in runs() if r.dagster_run.run_id != orphan.run_id]
+                return [run_id for run_id in later if applied_batches(run_id)]
+
+            wait_for("a batch of the next stream run", successor_applied, 240, log)
+        mirror = spark.read.format("delta").load(str(tmp_path / "lake" / SOURCE / "public.pairs" / "mirror"))
+        rows = sorted((r["region"], r["code"]) for r in mirror.collect())
+        assert rows == [(1, "before the loss"), (2, "after the loss")], rows
+        assert instance.get_latest_materialization_event(stream_asset_key(SOURCE)) is not None
+    finally:
+        admin.close()
+        instance.dispose()
