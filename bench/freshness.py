@@ -26,9 +26,10 @@ batch started (the run's poll), launch = startup = 0. The parts add up to the la
 Output: results table; where a workload batch's seconds go (each phase of the stream's batches: read, changelog,
 merge, reconcile, the rest; p50, p95, mean, share), and issue 30's target 5 met or not with the MERGE's part of a
 batch (the floor no setting removed) and the warm-up's part of the tail (``warm_up_line``: the workload's first
-MERGE in the run's fresh JVM, the p95 without the workload's first 30 s); ``bench/out/freshness-<utc>.json``, ``bench/out/freshness.png`` (latency over
-time, latency distribution with p50/p95, and the parts of each stream batch during the workload). ``--keep`` keeps
-DAGSTER_HOME and the lake (``bench/out/work``); the daemon log is ``bench/out/logs/freshness-daemon.log``.
+MERGE in the run's fresh JVM, the p95 without the workload's first 30 s); ``bench/out/freshness-<utc>.json``,
+``bench/out/freshness.png`` (latency over time, latency distribution with p50/p95, and the parts of each stream batch
+during the workload). ``--keep`` keeps DAGSTER_HOME and the lake (``bench/out/work``); the daemon log is
+``bench/out/logs/freshness-daemon.log``.
 """
 
 from __future__ import annotations
