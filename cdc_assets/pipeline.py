@@ -75,7 +75,7 @@ from cdc_assets.consistency import check_chunks
 from cdc_assets.dialect import ChangeBatch, Offset, SourceDialect
 from cdc_assets.engine.batch_bounds import BatchBounds, after_failure, after_success, recover_in_flight, with_in_flight
 from cdc_assets.engine.chunks import Chunk, ChunkPlan
-from cdc_assets.engine.faults import fault_point, size_fault
+from cdc_assets.engine.faults import driver_fault_point, fault_point, size_fault
 from cdc_assets.engine.row_filter import RowFilter, SnapshotRowsRefused
 from cdc_assets.engine.windows import (
     FILL_CHUNK,
@@ -441,6 +441,7 @@ class CdcPipeline(Generic[TableT]):
                         append_changelog(spark, paths.changelog, changes, batch.applied)
                         phases["changelog"] = phases.get("changelog", 0.0) + time.monotonic() - mark
                         fault_point("stream.after_changelog")
+                        driver_fault_point("stream.driver_killed_after_changelog")
                         progress.phase, mark = "merge", time.monotonic()
                         unknown = apply_changes(
                             spark, paths.mirror, changes, fields, table.key_columns, set(spill.unchanged_columns),

@@ -17,6 +17,11 @@ reconciliation placed staged chunk files in a mirror's folder, its commit adding
 ``cdc_assets.lake.adopt``), ``stream.during_maintenance`` (lake upkeep between batches: a table's finished staged
 attempts dropped, its tables not yet compacted or vacuumed).
 
+Driver faults kill the Spark driver's JVM instead of this process, as the kernel's OOM killer does when the JVM is the
+largest process: ``driver_fault_point(name)`` sends it ``SIGKILL`` when ``CDC_FAULTS`` lists ``name``, once per
+process (a retried step in the same process then goes on). Point: ``stream.driver_killed_after_changelog``
+(changelogs appended, mirrors not merged).
+
 Size faults raise instead of killing: ``size_fault(name, size)`` raises ``InjectedFault`` when ``CDC_FAULTS`` lists
 ``name=N`` and ``size`` exceeds ``N`` (always, no probability). Point: ``stream.batch_over`` (a stream batch holding
 more than N changes fails before it writes the lake; the retried batch is smaller, ``cdc_assets.engine.batch_bounds``).
@@ -40,6 +45,8 @@ POINTS = (
     "stream.after_adopted_files",
 )
 SIZE_POINTS = ("stream.batch_over",)
+DRIVER_POINTS = ("stream.driver_killed_after_changelog",)
+_driver_faults_fired: set[str] = set()
 _draw = random.Random(os.environ.get("CDC_FAULT_SEED", "0"))
 
 
@@ -51,6 +58,21 @@ def fault_point(name: str) -> None:
         return
     if _draw.random() < float(os.environ.get("CDC_FAULT_PROBABILITY", "1")):
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def driver_fault_point(name: str) -> None:
+    if name not in DRIVER_POINTS:
+        raise ValueError(f"unknown driver fault point {name!r}; known: {', '.join(DRIVER_POINTS)}")
+    if name in _driver_faults_fired or name not in os.environ.get("CDC_FAULTS", "").split(","):
+        return
+    from pyspark import SparkContext
+
+    process = getattr(SparkContext._gateway, "proc", None)  # a local driver's JVM (PySpark's Popen of it)
+    if process is None:
+        return
+    _driver_faults_fired.add(name)
+    process.kill()
+    process.wait()
 
 
 class InjectedFault(RuntimeError):

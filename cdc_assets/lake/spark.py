@@ -30,11 +30,14 @@ process when it starts: set them before the process's first session; then instan
 commits safe, not those of several drivers writing the same table at once. Only one Spark session per process: a
 later call returns the running one, and an s3a lake root then needs it to have been started with the s3a jars (a
 ``RuntimeError`` otherwise); its ``spark.hadoop.*`` settings are applied to the running session's Hadoop
-configuration (they reach file systems created after, not the ones already cached). ``remote`` (Spark Connect) adds
-nothing: the server carries its own jars and settings. ``driver_conf(config, lake_root)`` is a local driver's conf.
-The s3a jars go in ``spark.jars`` (a child class loader: Spark's own classes win), which a local driver copies into
-its temporary folder at start (558 MB, 2-3 s for the bundle); ``spark.driver.extraClassPath`` would not copy but
-would put the bundle's unshaded netty 4.1.100 and httpclient ahead of Spark's newer ones.
+configuration (they reach file systems created after, not the ones already cached). A local driver whose JVM has
+exited (killed by the kernel's OOM killer, or by an operator) is forgotten by the next call, which starts a new one
+(``forget_exited_driver``): PySpark keeps the dead gateway, and every later call, a retried step's too, would fail
+with py4j's "Connection refused". ``remote`` (Spark Connect) adds nothing: the server carries its own jars and
+settings. ``driver_conf(config, lake_root)`` is a local driver's conf. The s3a jars go in ``spark.jars`` (a child class
+loader: Spark's own classes win), which a local driver copies into its temporary folder at start (558 MB, 2-3 s for the
+bundle); ``spark.driver.extraClassPath`` would not copy but would put the bundle's unshaded netty 4.1.100 and httpclient
+ahead of Spark's newer ones.
 """
 
 from __future__ import annotations
@@ -241,6 +244,7 @@ def spark_session(
     # the driver's JVM (spark-submit, started from here) with two glibc malloc arenas instead of 8 per core, as Hadoop
     # and YARN set it: the big-value stream test's JVM peaked at 6.9 GB with it, 7.2-7.3 GB without (two runs each)
     os.environ.setdefault("MALLOC_ARENA_MAX", "2")
+    forget_exited_driver()
     builder = SparkSession.builder.master(config.master).appName("cdc-lake")
     conf = driver_conf(config, lake_root, use_class_archive)
     for key, value in conf.items():
@@ -250,6 +254,41 @@ def spark_session(
     if is_s3a(lake_root):
         use_running_session_for_s3a(session, conf)
     return session
+
+
+def driver_exit_code() -> int | None:
+    """The exit code of this process's local driver JVM (PySpark's ``Popen`` of it), None while it runs or when no
+    local driver was started here."""
+    from pyspark import SparkContext
+
+    process = getattr(SparkContext._gateway, "proc", None)  # no public accessor
+    return None if process is None else process.poll()
+
+
+def forget_exited_driver() -> int | None:
+    """Contract: when this process's local driver JVM has exited, drop PySpark's references to it (its gateway, its
+    context, the session) so that the next ``getOrCreate`` starts a new JVM, and return the old one's exit code (-9:
+    SIGKILL, the OOM killer's signal); None, changing nothing, while it runs. Why: PySpark keeps a dead gateway, and
+    a step retried in the same process (Dagster's ``RetryPolicy``) failed at once with "Connection refused" on each
+    attempt, its run's failure then naming only that. Uses PySpark's private class attributes (no public API
+    restarts a driver); ``tests/lake/test_spark.py`` kills a driver and asks for a session again."""
+    from pyspark import SparkContext
+
+    code = driver_exit_code()
+    if code is None:
+        return None
+    gateway = SparkContext._gateway
+    with SparkContext._lock:
+        SparkContext._active_spark_context = None
+        SparkContext._gateway = None
+        SparkContext._jvm = None
+    SparkSession._instantiatedSession = None
+    SparkSession._activeSession = None
+    try:
+        gateway.shutdown()  # its sockets and callback server; the JVM is gone already
+    except Exception:  # a dead gateway may fail to close: nothing left to free then
+        pass
+    return code
 
 
 def use_running_session_for_s3a(session: SparkSession, conf: dict[str, str]) -> None:

@@ -21,6 +21,7 @@ import pytest
 from dagster import (
     AssetCheckEvaluation,
     AssetKey,
+    DagsterEventType,
     DagsterInstance,
     DagsterRunStatus,
     build_schedule_context,
@@ -511,6 +512,66 @@ def test_a_failed_batch_is_retried_smaller_and_the_run_log_says_so(config_path, 
     assert any("a SMALLER batch than configured (at most 15 changes" in m for m in messages)
     monkeypatch.delenv("CDC_FAULTS")
     assert materialize([stream_asset], resources=defs.resources, instance=instance).success
+
+
+KILLED_DRIVER_RUN = """
+import json, os, sys
+import psycopg
+from dagster import DagsterInstance, materialize
+from dagster._core.instance.ref import InstanceRef
+from cdc_assets.assets import stream_asset_key
+from cdc_assets.build import build_definitions
+
+path, admin_dsn, home = sys.argv[1:4]
+defs = build_definitions(path)
+stream_asset = next(a for a in defs.assets if stream_asset_key("defs") in a.keys)
+instance = DagsterInstance.from_ref(InstanceRef.from_dir(home))
+assert materialize([stream_asset], resources=defs.resources, instance=instance).success  # caught up
+with psycopg.connect(admin_dsn, autocommit=True) as admin:
+    for i in range(10):
+        admin.execute("insert into pairs values (%s, 'jvm', %s, 'killed driver')", [3000 + i, i])
+os.environ["CDC_FAULTS"] = "stream.driver_killed_after_changelog"
+result = materialize([stream_asset], resources=defs.resources, instance=instance, raise_on_error=False)
+print(json.dumps({"run_id": result.run_id, "success": result.success}))
+"""
+
+
+def test_a_stream_step_whose_driver_jvm_was_killed_is_retried_with_a_new_one(config_path, spark, tmp_path) -> None:
+    """The kernel's OOM killer takes the driver JVM (the process's largest child) between a batch's changelog append
+    and its MERGE: the step's retry starts a new JVM and applies the batch once, and the retry's cause names the dead
+    JVM. Before, each retry failed at once with py4j's "Connection refused" and the run failed naming only that."""
+    path, admin_dsn = config_path
+    home = tmp_path / "dagster_home"
+    home.mkdir()
+    result = subprocess.run(
+        [sys.executable, "-c", KILLED_DRIVER_RUN, str(path), f"{admin_dsn} dbname={DATABASE}", str(home)],
+        capture_output=True, text=True, timeout=600, cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "DEFS_PW": READER_PASSWORD},
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    outcome = json.loads(result.stdout.strip().splitlines()[-1])
+    with DagsterInstance.from_ref(InstanceRef.from_dir(str(home))) as instance:
+        entries = instance.all_logs(outcome["run_id"])
+    retries = [e for e in entries if e.dagster_event_type == DagsterEventType.STEP_UP_FOR_RETRY]
+    assert outcome["success"], [e.message for e in entries][-10:]
+    assert len(retries) == 1  # one retry, with a new JVM
+    causes = []
+    error = retries[0].dagster_event.event_specific_data.error
+    while error is not None:
+        causes.append(error.message)
+        error = error.cause
+    assert any("failed in phase merge" in c and "the Spark driver's JVM died" in c for c in causes), causes
+    # the retried batch read a smaller batch (bounds halved after a failure); the next runs, here, read the rest
+    defs = build_definitions(path)
+    stream_asset = next(a for a in defs.assets if stream_asset_key("defs") in a.keys)
+    mirror = SourceLake(path.parent / "lake", "defs").table("public.pairs").mirror
+    with DagsterInstance.from_ref(InstanceRef.from_dir(str(home))) as instance:
+        for _ in range(12):
+            if spark.read.format("delta").load(mirror).where("code = 'jvm'").count() == 10:
+                break
+            assert materialize([stream_asset], resources=defs.resources, instance=instance).success
+    rows = spark.read.format("delta").load(mirror).where("code = 'jvm'").select("region", "amount").collect()
+    assert sorted((r.region, r.amount) for r in rows) == [(3000 + i, i) for i in range(10)]  # each once
 
 
 LAG_QUERY = """
