@@ -96,7 +96,7 @@ from cdc_assets.lake import windows as window_log
 from cdc_assets.lake.files import LakePath
 from cdc_assets.lake.layout import SourceLake
 from cdc_assets.lake.mirror import USER_METADATA, StagedRowsMismatch, append_changelog, apply_changes, reconcile
-from cdc_assets.lake.spark import DRIVER_MEMORY, big_batch_conf, default_driver_memory, session_conf
+from cdc_assets.lake.spark import DRIVER_MEMORY, big_batch_conf, default_driver_memory, driver_process, session_conf
 from cdc_assets.lake.watermark_window import run_window
 from cdc_assets.source import (
     CapturedTablesChanged,
@@ -441,7 +441,7 @@ class CdcPipeline(Generic[TableT]):
                         append_changelog(spark, paths.changelog, changes, batch.applied)
                         phases["changelog"] = phases.get("changelog", 0.0) + time.monotonic() - mark
                         fault_point("stream.after_changelog")
-                        driver_fault_point("stream.driver_killed_after_changelog")
+                        driver_fault_point("stream.driver_killed_after_changelog", driver_process)
                         progress.phase, mark = "merge", time.monotonic()
                         unknown = apply_changes(
                             spark, paths.mirror, changes, fields, table.key_columns, set(spill.unchanged_columns),

@@ -222,8 +222,9 @@ SPARK_DRIVER_DEATH = pytest.StashKey[str]()
 
 def spark_driver_exit_code(session) -> int | None:
     """The exit code of the session's driver JVM (pyspark's ``Popen`` of it), None while it runs."""
-    process = getattr(session.sparkContext._gateway, "proc", None)
-    return None if process is None else process.poll()
+    from cdc_assets.lake.spark import driver_exit_code
+
+    return driver_exit_code()  # one driver per process: the session's
 
 
 def memory_holders(count: int = 6) -> str:

@@ -18,9 +18,9 @@ reconciliation placed staged chunk files in a mirror's folder, its commit adding
 attempts dropped, its tables not yet compacted or vacuumed).
 
 Driver faults kill the Spark driver's JVM instead of this process, as the kernel's OOM killer does when the JVM is the
-largest process: ``driver_fault_point(name)`` sends it ``SIGKILL`` when ``CDC_FAULTS`` lists ``name``, once per
-process (a retried step in the same process then goes on). Point: ``stream.driver_killed_after_changelog``
-(changelogs appended, mirrors not merged).
+largest process: ``driver_fault_point(name, driver)`` sends it (``driver()``: its process) ``SIGKILL`` when
+``CDC_FAULTS`` lists ``name``, once per process (a retried step in the same process then goes on). Point:
+``stream.driver_killed_after_changelog`` (changelogs appended, mirrors not merged).
 
 Size faults raise instead of killing: ``size_fault(name, size)`` raises ``InjectedFault`` when ``CDC_FAULTS`` lists
 ``name=N`` and ``size`` exceeds ``N`` (always, no probability). Point: ``stream.batch_over`` (a stream batch holding
@@ -32,6 +32,8 @@ from __future__ import annotations
 import os
 import random
 import signal
+import subprocess
+from collections.abc import Callable
 
 POINTS = (
     "snapshot.before_window_record",
@@ -60,14 +62,12 @@ def fault_point(name: str) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def driver_fault_point(name: str) -> None:
+def driver_fault_point(name: str, driver: Callable[[], subprocess.Popen | None]) -> None:
     if name not in DRIVER_POINTS:
         raise ValueError(f"unknown driver fault point {name!r}; known: {', '.join(DRIVER_POINTS)}")
     if name in _driver_faults_fired or name not in os.environ.get("CDC_FAULTS", "").split(","):
         return
-    from pyspark import SparkContext
-
-    process = getattr(SparkContext._gateway, "proc", None)  # a local driver's JVM (PySpark's Popen of it)
+    process = driver()  # a local driver's JVM (cdc_assets.lake.spark.driver_process)
     if process is None:
         return
     _driver_faults_fired.add(name)

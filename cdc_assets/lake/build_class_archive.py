@@ -23,7 +23,14 @@ from typing import TYPE_CHECKING
 
 from cdc_assets.config import SparkConfig
 from cdc_assets.lake.class_archive import ARCHIVE_AT_EXIT_OPTION, archive_is_stale
-from cdc_assets.lake.spark import BASE_CONF, DRIVER_JAVA_OPTIONS, class_archive_path, jars_folder, spark_session
+from cdc_assets.lake.spark import (
+    BASE_CONF,
+    DRIVER_JAVA_OPTIONS,
+    class_archive_path,
+    driver_process,
+    jars_folder,
+    spark_session,
+)
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -98,7 +105,8 @@ def build_archive(archive: Path) -> None:
     partial = archive.with_name(f".{archive.name}.{os.getpid()}.partial")
     options = f"{BASE_CONF[DRIVER_JAVA_OPTIONS]} {QUIET_DUMP_OPTION} {ARCHIVE_AT_EXIT_OPTION}{partial}"
     spark = spark_session(SparkConfig(conf={DRIVER_JAVA_OPTIONS: options}), use_class_archive=False)
-    jvm = spark.sparkContext._gateway.proc  # PySpark keeps the driver JVM's process here; no public accessor
+    jvm = driver_process()
+    assert jvm is not None  # a local driver, started just above
     try:
         with tempfile.TemporaryDirectory(prefix="cdc-class-archive-") as folder:
             exercise(spark, Path(folder))

@@ -43,6 +43,7 @@ ahead of Spark's newer ones.
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -256,12 +257,18 @@ def spark_session(
     return session
 
 
-def driver_exit_code() -> int | None:
-    """The exit code of this process's local driver JVM (PySpark's ``Popen`` of it), None while it runs or when no
-    local driver was started here."""
+def driver_process() -> subprocess.Popen | None:
+    """This process's local driver JVM (PySpark's ``Popen`` of it; no public accessor), None when no local driver was
+    started here (or it was forgotten)."""
     from pyspark import SparkContext
 
-    process = getattr(SparkContext._gateway, "proc", None)  # no public accessor
+    return getattr(SparkContext._gateway, "proc", None)
+
+
+def driver_exit_code() -> int | None:
+    """The exit code of this process's local driver JVM, None while it runs or when no local driver was started
+    here."""
+    process = driver_process()
     return None if process is None else process.poll()
 
 

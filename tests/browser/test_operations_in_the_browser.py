@@ -42,7 +42,8 @@ from cdc_assets.lake.layout import SourceLake
 from cdc_assets.lake.windows import read_events
 from cdc_assets.sources.postgres.pipeline import PostgresPipeline
 from tests.browser.ui_support import ROOT, SOURCE, UI_TIMEOUT_MS, DagsterUi, screenshot
-from tests.integration.support import mirror_rows, source_rows
+from tests.integration.support import T, mirror_rows, source_rows
+from tests.integration.support import wait_for as support_wait_for
 
 pytestmark = pytest.mark.timeout(1200)
 # a snapshot run and the stream run that reconciles it each start a Spark driver; the backfill's runs also check
@@ -303,12 +304,8 @@ def run_pid(instance, run_id: str) -> int | None:
     return None
 
 
-def wait_for(what: str, probe: Callable[[], object], timeout_seconds: float) -> object:
-    deadline = time.monotonic() + timeout_seconds
-    while not (found := probe()):
-        assert time.monotonic() < deadline, f"{what}: not within {timeout_seconds} s"
-        time.sleep(2)
-    return found
+def wait_for(what: str, probe: Callable[[], T], timeout_seconds: float) -> T:
+    return support_wait_for(what, probe, timeout_seconds, poll_seconds=2)
 
 
 @contextmanager

@@ -5,9 +5,10 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TypeVar
 
 import psycopg
 from psycopg import sql
@@ -206,3 +207,19 @@ def commit_held_by_absent_standby(admin_dsn: str, database: str, statement: str)
         held.close()
         root.close()
     assert not errors, errors
+
+
+T = TypeVar("T")
+
+
+def wait_for(
+    what: str, probe: Callable[[], T], timeout_seconds: float, poll_seconds: float = 1.0,
+    context: Callable[[], str] = lambda: "",
+) -> T:  # fmt: skip
+    """``probe()``'s first truthy answer, asked every ``poll_seconds``; an assertion naming ``what`` (and
+    ``context()``, e.g. a log's tail) when none came within ``timeout_seconds``."""
+    deadline = time.monotonic() + timeout_seconds
+    while not (found := probe()):
+        assert time.monotonic() < deadline, f"{what}: not within {timeout_seconds} s{context()}"
+        time.sleep(poll_seconds)
+    return found

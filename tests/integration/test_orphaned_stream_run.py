@@ -19,7 +19,6 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TypeVar
 
 import psycopg
 import pytest
@@ -30,7 +29,8 @@ from dagster._core.instance.ref import InstanceRef
 from cdc_assets.assets import stream_asset_key
 from cdc_assets.lake.spark import SHORT_LIVED_DRIVER_OPTIONS
 from sensors.stream import MAX_RUNTIME_TAG
-from tests.integration.support import PG_PORT, READER_PASSWORD, create_source, drop_source
+from tests.integration.support import PG_PORT, READER_PASSWORD, T, create_source, drop_source
+from tests.integration.support import wait_for as support_wait_for
 
 DATABASE = "orphan_run"
 SOURCE = "orphan"
@@ -55,15 +55,10 @@ sources:
     stream: {{interval_seconds: 5, run_seconds: {run_seconds}, max_overrun_seconds: {overrun}}}
 """
 
-T = TypeVar("T")
-
 
 def wait_for(what: str, probe: Callable[[], T], timeout: float, log: Path) -> T:
-    deadline = time.monotonic() + timeout
-    while not (value := probe()):
-        assert time.monotonic() < deadline, f"{what}: not within {timeout} s; daemon log:\n{log.read_text()[-4000:]}"
-        time.sleep(1)
-    return value
+    """``tests.integration.support.wait_for`` with the daemon log's tail in its failure."""
+    return support_wait_for(what, probe, timeout, context=lambda: f"; daemon log:\n{log.read_text()[-4000:]}")
 
 
 @contextmanager
