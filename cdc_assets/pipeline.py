@@ -60,7 +60,8 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from functools import cached_property
@@ -136,9 +137,23 @@ JVM_GONE = ("Answer from Java side is empty", "Connection refused", "Error while
             "Connection reset", "Broken pipe", "Py4JNetworkError")  # fmt: skip
 
 
-def failure_cause(error: BaseException) -> str:
-    """The cause of a failed batch in one sentence: heap exhaustion and a dead JVM named as such (py4j's own error
-    after the JVM died says only "Connection refused"), else the error's type and first line."""
+class SnapshotDriverError(RuntimeError):
+    """A snapshot step failed because its Spark driver's JVM died or ran out of heap; the message names the table,
+    the chunks and that cause (py4j's own error says only "Connection refused")."""
+
+
+def _jvm_gone(error: BaseException) -> bool:
+    """A socket error, or py4j's or PySpark's words for a JVM that stopped answering (not a database driver's
+    "Connection refused": PostgreSQL's says so too)."""
+    if isinstance(error, ConnectionError):
+        return True
+    module = type(error).__module__ or ""
+    return module.startswith(("py4j", "pyspark")) and any(m in f"{type(error).__name__}: {error}" for m in JVM_GONE)
+
+
+def driver_cause(error: BaseException) -> str | None:
+    """Contract: the Spark driver's failure behind ``error`` in one sentence (heap exhausted, a broadcast without
+    heap, the JVM dead or not answering), found anywhere in its chain of causes; None when none of those is."""
     chain: list[BaseException] = []
     seen: BaseException | None = error
     while seen is not None and seen not in chain and len(chain) < 10:
@@ -149,13 +164,39 @@ def failure_cause(error: BaseException) -> str:
         return "the Spark driver's JVM ran out of heap (java.lang.OutOfMemoryError)"
     if any("Not enough memory to build and broadcast" in t for t in texts):
         return "the Spark driver had not enough heap to broadcast a join side"
-    if any(isinstance(e, ConnectionError) or any(m in f"{type(e).__name__}: {e}" for m in JVM_GONE) for e in chain):
+    if any(_jvm_gone(e) for e in chain):
         return (
             "the Spark driver's JVM died or stopped answering (py4j: connection refused); most likely it ran out of "
             "heap or was killed (the step's stderr has the JVM's last words)"
         )
+    return None
+
+
+def failure_cause(error: BaseException) -> str:
+    """The cause of a failed batch in one sentence: the driver's failure named as such (``driver_cause``), else the
+    error's type and first line."""
+    cause = driver_cause(error)
+    if cause is not None:
+        return cause
     first = str(error).strip().splitlines()[0] if str(error).strip() else ""
     return f"{type(error).__name__}: {first[:1500]}"
+
+
+@contextmanager
+def driver_failure_named(what: str) -> Iterator[None]:
+    """Contract: an error inside whose cause is the Spark driver's (``driver_cause``) leaves as a
+    ``SnapshotDriverError`` naming ``what`` and that cause, chained to the original; any other error passes through
+    unchanged. Nothing of the attempt is applied: its watermark window is recorded only after the read returned."""
+    try:
+        yield
+    except Exception as error:
+        cause = driver_cause(error)
+        if cause is None:
+            raise
+        raise SnapshotDriverError(
+            f"{what} failed: {cause}. Nothing of this attempt is applied (its watermark window was not recorded); a "
+            "retry of the step, or a new run, reads it again with a new JVM"
+        ) from error
 
 
 def _size(count: float) -> str:
@@ -247,9 +288,12 @@ class CdcPipeline(Generic[TableT]):
         chunks = [plan.chunks[i] for i in chunk_indexes]
         attempt = f"{run_id}-{uuid.uuid4().hex[:8]}"
         staging_path = self.lake.table(table.qualified_name).staging
-        with self.dialect.window() as session:
+        what = (f"snapshot of table {table.qualified_name} (source {self.source.name!r}), chunks "
+                f"{', '.join(str(c.index) for c in chunks)}")  # fmt: skip
+        with driver_failure_named(what), self.dialect.window() as session:
 
             def read(start: WindowStart) -> dict[int, int]:
+                driver_fault_point("snapshot.driver_killed_before_read", driver_process)
                 return session.stage_chunks(spark, table, chunks, staging_path, attempt, start)
 
             windows = run_window(spark, self.lake, table.qualified_name, [c.index for c in chunks], attempt, session,
@@ -321,7 +365,8 @@ class CdcPipeline(Generic[TableT]):
         self._refuse_when_waiting(self.waiting_rows_windows(spark), name)
         attempt = f"rows-{run_id}-{uuid.uuid4().hex[:8]}"
         staging_path = self.lake.table(name).staging
-        with self.dialect.window() as session:
+        what = f"ad-hoc snapshot of rows of table {name} (source {self.source.name!r})"
+        with driver_failure_named(what), self.dialect.window() as session:
 
             def read(start: WindowStart) -> dict[int, int]:
                 return {ROWS_CHUNK: session.stage_rows_matching(table, row_filter, staging_path, attempt)}

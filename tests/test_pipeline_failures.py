@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
-from py4j.protocol import Py4JNetworkError
+import psycopg
+import pytest
+from py4j.protocol import Py4JError, Py4JNetworkError
 
 from cdc_assets.engine.batch_bounds import BatchBounds, after_failure
 from cdc_assets.lake.spark import big_batch_conf
-from cdc_assets.pipeline import BatchProgress, describe_failure, failure_cause
+from cdc_assets.pipeline import (
+    BatchProgress,
+    SnapshotDriverError,
+    describe_failure,
+    driver_failure_named,
+    failure_cause,
+)  # fmt: skip
 
 BOUNDS = BatchBounds(max_changes=500_000, max_bytes=256 << 20)
 
@@ -20,6 +28,25 @@ def test_a_dead_jvm_is_named_instead_of_py4js_connection_refused() -> None:
     except ConnectionRefusedError as error:
         cause = failure_cause(error)
     assert "JVM died" in cause and "heap" in cause
+
+
+def test_a_databases_connection_refused_is_not_named_a_dead_jvm() -> None:
+    refused = psycopg.OperationalError(
+        'connection failed: connection to server at "127.0.0.1", port 5432 failed: Connection refused'
+    )
+    assert failure_cause(refused).startswith("OperationalError: connection failed")
+
+
+def test_a_snapshot_whose_driver_died_names_its_table_chunks_and_the_dead_jvm() -> None:
+    what = "snapshot of table public.orders (source 'shop'), chunks 3, 4"
+    with pytest.raises(SnapshotDriverError) as raised, driver_failure_named(what):
+        raise Py4JError("Answer from Java side is empty")
+    message = str(raised.value)
+    assert message.startswith("snapshot of table public.orders (source 'shop'), chunks 3, 4 failed: the Spark driver's")
+    assert "JVM died" in message and "Nothing of this attempt is applied" in message
+    assert isinstance(raised.value.__cause__, Py4JError)
+    with pytest.raises(KeyError), driver_failure_named(what):  # any other error passes through unchanged
+        raise KeyError("x")
 
 
 def test_heap_exhaustion_anywhere_in_the_chain_is_named() -> None:

@@ -19,8 +19,9 @@ attempts dropped, its tables not yet compacted or vacuumed).
 
 Driver faults kill the Spark driver's JVM instead of this process, as the kernel's OOM killer does when the JVM is the
 largest process: ``driver_fault_point(name, driver)`` sends it (``driver()``: its process) ``SIGKILL`` when
-``CDC_FAULTS`` lists ``name``, once per process (a retried step in the same process then goes on). Point:
-``stream.driver_killed_after_changelog`` (changelogs appended, mirrors not merged).
+``CDC_FAULTS`` lists ``name``, once per process (a retried step in the same process then goes on). Points:
+``stream.driver_killed_after_changelog`` (changelogs appended, mirrors not merged),
+``snapshot.driver_killed_before_read`` (a snapshot's low watermark taken, its chunks not read).
 
 Size faults raise instead of killing: ``size_fault(name, size)`` raises ``InjectedFault`` when ``CDC_FAULTS`` lists
 ``name=N`` and ``size`` exceeds ``N`` (always, no probability). Point: ``stream.batch_over`` (a stream batch holding
@@ -47,7 +48,7 @@ POINTS = (
     "stream.after_adopted_files",
 )
 SIZE_POINTS = ("stream.batch_over",)
-DRIVER_POINTS = ("stream.driver_killed_after_changelog",)
+DRIVER_POINTS = ("stream.driver_killed_after_changelog", "snapshot.driver_killed_before_read")
 _driver_faults_fired: set[str] = set()
 _draw = random.Random(os.environ.get("CDC_FAULT_SEED", "0"))
 

@@ -519,8 +519,9 @@ import json, os, sys
 import psycopg
 from dagster import DagsterInstance, materialize
 from dagster._core.instance.ref import InstanceRef
-from cdc_assets.assets import stream_asset_key
+from cdc_assets.assets import chunk_partitions, stream_asset_key, table_asset_key
 from cdc_assets.build import build_definitions
+from cdc_assets.engine.chunks import chunk_partition_key
 
 path, admin_dsn, home = sys.argv[1:4]
 defs = build_definitions(path)
@@ -532,14 +533,37 @@ with psycopg.connect(admin_dsn, autocommit=True) as admin:
         admin.execute("insert into pairs values (%s, 'jvm', %s, 'killed driver')", [3000 + i, i])
 os.environ["CDC_FAULTS"] = "stream.driver_killed_after_changelog"
 result = materialize([stream_asset], resources=defs.resources, instance=instance, raise_on_error=False)
-print(json.dumps({"run_id": result.run_id, "success": result.success}))
+table_asset = next(a for a in defs.assets if table_asset_key("defs", "public.pairs") in a.keys)
+instance.add_dynamic_partitions(chunk_partitions("defs", "public.pairs").name, [chunk_partition_key(0)])
+os.environ["CDC_FAULTS"] = "snapshot.driver_killed_before_read"
+snapshot = materialize([table_asset], resources=defs.resources, instance=instance, partition_key=chunk_partition_key(0),
+                       raise_on_error=False)
+print(json.dumps({"run_id": result.run_id, "success": result.success, "snapshot_run_id": snapshot.run_id,
+                  "snapshot_success": snapshot.success}))
 """
 
 
-def test_a_stream_step_whose_driver_jvm_was_killed_is_retried_with_a_new_one(config_path, spark, tmp_path) -> None:
+def retry_causes(instance: DagsterInstance, run_id: str) -> list[list[str]]:
+    """Per retry of the run's step, the messages of its error's chain (the first is what the UI shows first)."""
+    retries = [e for e in instance.all_logs(run_id) if e.dagster_event_type == DagsterEventType.STEP_UP_FOR_RETRY]
+    causes = []
+    for retry in retries:
+        chain, error = [], retry.dagster_event.event_specific_data.error
+        while error is not None:
+            chain.append(error.message)
+            error = error.cause
+        causes.append(chain)
+    return causes
+
+
+def test_a_stream_or_snapshot_step_whose_driver_jvm_was_killed_is_retried_with_a_new_one(
+    config_path, spark, tmp_path
+) -> None:
     """The kernel's OOM killer takes the driver JVM (the process's largest child) between a batch's changelog append
     and its MERGE: the step's retry starts a new JVM and applies the batch once, and the retry's cause names the dead
-    JVM. Before, each retry failed at once with py4j's "Connection refused" and the run failed naming only that."""
+    JVM. Before, each retry failed at once with py4j's "Connection refused" and the run failed naming only that. The
+    same for a snapshot step whose JVM died before its read: its cause names the table, the chunks and the dead JVM
+    (before: py4j's "Connection refused" only)."""
     path, admin_dsn = config_path
     home = tmp_path / "dagster_home"
     home.mkdir()
@@ -552,15 +576,22 @@ def test_a_stream_step_whose_driver_jvm_was_killed_is_retried_with_a_new_one(con
     outcome = json.loads(result.stdout.strip().splitlines()[-1])
     with DagsterInstance.from_ref(InstanceRef.from_dir(str(home))) as instance:
         entries = instance.all_logs(outcome["run_id"])
-    retries = [e for e in entries if e.dagster_event_type == DagsterEventType.STEP_UP_FOR_RETRY]
+        stream_retries = retry_causes(instance, outcome["run_id"])
+        snapshot_entries = instance.all_logs(outcome["snapshot_run_id"])
+        snapshot_retries = retry_causes(instance, outcome["snapshot_run_id"])
     assert outcome["success"], [e.message for e in entries][-10:]
-    assert len(retries) == 1  # one retry, with a new JVM
-    causes = []
-    error = retries[0].dagster_event.event_specific_data.error
-    while error is not None:
-        causes.append(error.message)
-        error = error.cause
+    assert len(stream_retries) == 1  # one retry, with a new JVM
+    causes = stream_retries[0]
     assert any("failed in phase merge" in c and "the Spark driver's JVM died" in c for c in causes), causes
+    assert outcome["snapshot_success"], [e.message for e in snapshot_entries][-10:]
+    assert len(snapshot_retries) == 1, snapshot_retries
+    first = next(c for c in snapshot_retries[0] if "RetryRequestedFromPolicy" not in c)  # the step's own error
+    assert first.startswith(
+        "cdc_assets.pipeline.SnapshotDriverError: snapshot of table public.pairs (source 'defs'), chunks 0 failed: "
+        "the Spark driver's JVM died"
+    ), snapshot_retries
+    staged = [e for e in snapshot_entries if e.dagster_event_type == DagsterEventType.ASSET_MATERIALIZATION]
+    assert len(staged) == 1 and staged[0].asset_materialization.metadata["rows"].value > 0
     # the retried batch read a smaller batch (bounds halved after a failure); the next runs, here, read the rest
     defs = build_definitions(path)
     stream_asset = next(a for a in defs.assets if stream_asset_key("defs") in a.keys)
