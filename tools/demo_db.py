@@ -2,6 +2,7 @@
 
     python tools/demo_db.py setup      # as the local admin (unix socket, OS user postgres)
     python tools/demo_db.py workload   # inserts, updates, deletes, key updates until interrupted
+    python tools/demo_db.py extras     # a table added while it runs, 1-64 MB values, a reused key, a burst
 
 ``setup --database NAME --role ROLE --scale F`` makes another database of the same shape (the browser test's is
 ``--scale 0.01``: 200 customers, 500 orders, 600 order lines) with its own read-only role, beside the demo's.
@@ -19,6 +20,7 @@ import sys
 import time
 
 import psycopg
+import psycopg.types.json
 from psycopg import sql
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -133,6 +135,58 @@ def workload(rate: float = 200.0) -> None:
     print("workload stopped")
 
 
+DOCUMENTS = """
+create table if not exists documents (
+    id bigint primary key, title text, body text, blob bytea, meta jsonb, score numeric, valid_until timestamptz,
+    tags text[]
+)
+"""
+# value sizes of the big rows (bytes): PostgreSQL allows 1 GB per value; these are what real documents hold
+BIG_VALUES = {1: 1 << 20, 2: 16 << 20, 3: 64 << 20}
+
+
+def extras(burst: int = 20000) -> None:
+    """What a user meets beside the steady workload, each step printed: the table ``documents`` added while the
+    demo streams (the planner snapshots it, the stream captures it: the publication is for all tables), rows with
+    values of 1, 16 and 64 MB (text, bytea, jsonb) and odd values (numeric NaN, timestamptz infinity), a freed key
+    reused (deleted, then inserted again with other values, once in the same transaction and once in the next), and
+    a burst of ``burst`` single-row transactions into ``orders`` as fast as one connection sends them."""
+    with psycopg.connect(f"{ADMIN} dbname=demo", autocommit=True) as conn:
+        conn.execute(DOCUMENTS)
+        print("table documents created (added while the demo runs)")
+        for key, size in BIG_VALUES.items():
+            text = ("lorem ipsum " * (size // 12 + 1))[:size]
+            conn.execute(
+                "insert into documents values (%s, %s, %s, %s, %s, 'NaN', 'infinity', %s) on conflict (id) do update "
+                "set body = excluded.body, blob = excluded.blob, meta = excluded.meta",
+                [key, f"doc {key}", text, os.urandom(size), psycopg.types.json.Jsonb({"pad": "x" * (size // 4)}),
+                 ["big", str(size)]],
+            )  # fmt: skip
+            print(f"documents {key}: text and bytea of {size >> 20} MB each, jsonb of {size >> 22} MB")
+        conn.execute(
+            "insert into documents values (10, 'reused', 'first life', '\\x01', '{}', 1.5, now(), '{a}') "
+            "on conflict (id) do nothing"
+        )
+        conn.execute("delete from documents where id = 10")
+        conn.execute("insert into documents values (10, 'reused', 'second life', '\\x02', '{\"life\": 2}', 2.5, "
+                     "'-infinity', '{b}')")  # fmt: skip
+        with conn.transaction():
+            conn.execute("delete from documents where id = 10")
+            conn.execute("insert into documents values (10, 'reused', 'third life', '\\x03', '{\"life\": 3}', "
+                         "'Infinity', now(), '{c,NULL}')")  # fmt: skip
+        print("documents 10: deleted and inserted again twice (the next transaction; the same one)")
+        (next_order,) = conn.execute("select coalesce(max(id), 0) + 1000000 from orders").fetchone()
+        started = time.monotonic()
+        with conn.pipeline():
+            for number in range(burst):
+                conn.execute(
+                    "insert into orders (id, status, total, placed_at) values (%s, 'burst', %s, now())",
+                    [next_order + number, number % 1000],
+                )
+        seconds = time.monotonic() - started
+        print(f"orders: a burst of {burst} single-row transactions in {seconds:.1f} s ({burst / seconds:,.0f}/s)")
+
+
 def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(prog="demo_db.py", description="The demo's source database.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -142,9 +196,13 @@ def main(argv: list[str]) -> None:
     create.add_argument("--scale", type=float, default=1.0, help="times the demo's rows (20k, 50k, 60k)")
     write = commands.add_parser("workload", help="write to the demo database until interrupted")
     write.add_argument("rate", nargs="?", type=float, default=200.0, help="changes per second")
+    more = commands.add_parser("extras", help="add a table with big and odd values, reuse a key, send a burst")
+    more.add_argument("--burst", type=int, default=20000, help="single-row transactions sent as fast as they go")
     args = parser.parse_args(argv)
     if args.command == "setup":
         setup(args.database, args.role, args.scale)
+    elif args.command == "extras":
+        extras(args.burst)
     else:
         workload(args.rate)
 

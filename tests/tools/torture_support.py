@@ -4,14 +4,13 @@ The PostgreSQL runs, the faulted one (seed 901, port 54340) and the broken-recon
 54341), and the MongoDB one (seed 905 with faults, ``--source mongodb``, its own test server on a free port) are
 started by ``tests/conftest.py`` when their tests were selected, one after the other: the faulted one at the
 session's first test, beside the browser tests, which mostly wait for Dagster's daemons (``EARLY_RUN``), the others
-at the first test after the browser tests and the consistency checks (``BEFORE_TORTURE_RUNS``), in the background,
-each on its own server: the integration
-tests leave about a quarter of the two cores idle (72 % busy measured over three integration modules alone: they
-wait on the database, on batches, on JVM starts), so the runs go beside them instead of after them (the faulted run
-alone took 5 to 9 minutes after the other tests). They run niced (``NICENESS``): at
-full priority they slowed the tests beside them up to fourfold (the drift test of ``test_consistency.py``: 115 s
-alone, 438-501 s beside both runs), so that the suite neared its 30 minutes.
-"""
+at the first test after the browser tests, the big-value stream tests and the consistency checks
+(``BEFORE_TORTURE_RUNS``), in the background, each on its own server: the integration tests leave about a quarter of
+the two cores idle (72 % busy measured over three integration modules alone: they wait on the database, on batches,
+on JVM starts), so the runs go beside them instead of after them (the faulted run alone took 5 to 9 minutes after
+the other tests). They run niced (``NICENESS``): at full priority they slowed the tests beside them up to fourfold
+(the drift test of ``test_consistency.py``: 115 s alone, 438-501 s beside both runs), so that the suite neared its
+30 minutes."""
 
 from __future__ import annotations
 
