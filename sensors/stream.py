@@ -24,7 +24,9 @@ tick.
 
 Each run it requests carries Dagster's ``dagster/max_runtime`` tag (``stream_run_tags``): a run whose code server
 died with it is ended by the run monitor once it is ``stream.max_overrun_seconds`` past ``run_seconds``, instead of
-holding the source's stream for good.
+holding the source's stream for good. And ``dagster/priority`` 1 (``STREAM_PRIORITY``): stream runs share the
+instance's run slots (``max_concurrent_runs``) with snapshot and check runs, and a stream run waiting in the queue
+takes the next free slot before them (default priority 0; the sweep's -1); it does not stop a running one.
 """
 
 from dagster import (
@@ -53,6 +55,10 @@ from cdc_assets.source import SourceLag
 from resources.cdc import CdcResource
 
 MAX_RUNTIME_TAG = "dagster/max_runtime"  # read by Dagster's run monitor (run_monitoring in the instance's dagster.yaml)
+PRIORITY_TAG = "dagster/priority"  # read by Dagster's queued run coordinator: higher values leave the queue first
+# in the demo (2026-12-05) a stream run waited 134 s in the queue behind two check runs launched by hand, and a slot
+# freed meanwhile went to a check run queued before it
+STREAM_PRIORITY = "1"
 
 
 def build_stream_sensor(source_name: str, job_name: str, interval_seconds: int) -> SensorDefinition:
@@ -114,8 +120,9 @@ def stream_run_tags(stream: StreamConfig, reason: str) -> dict[str, str]:
     """A stream run's tags: why it was requested (``cdc/reason``), and its bound in flight (``dagster/max_runtime``:
     ``stream.run_seconds`` + ``stream.max_overrun_seconds``), past which Dagster's run monitor cancels it and marks
     it failed, also when no process is left to report it (its code server lost with it), so this sensor's "still in
-    flight" ends and the next tick launches a run that goes on from the recorded offset."""
-    tags = {"cdc/reason": reason}
+    flight" ends and the next tick launches a run that goes on from the recorded offset; and its queue priority
+    (``dagster/priority``, ``STREAM_PRIORITY``), above snapshot and check runs."""
+    tags = {"cdc/reason": reason, PRIORITY_TAG: STREAM_PRIORITY}
     if stream.max_runtime_seconds is not None:
         tags[MAX_RUNTIME_TAG] = str(stream.max_runtime_seconds)
     return tags

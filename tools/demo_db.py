@@ -177,12 +177,11 @@ def extras(burst: int = 20000) -> None:
         print("documents 10: deleted and inserted again twice (the next transaction; the same one)")
         (next_order,) = conn.execute("select coalesce(max(id), 0) + 1000000 from orders").fetchone()
         started = time.monotonic()
-        with conn.pipeline():
-            for number in range(burst):
-                conn.execute(
-                    "insert into orders (id, status, total, placed_at) values (%s, 'burst', %s, now())",
-                    [next_order + number, number % 1000],
-                )
+        for number in range(burst):  # autocommit: each its own transaction (a pipeline would make them one)
+            conn.execute(
+                "insert into orders (id, status, total, placed_at) values (%s, 'burst', %s, now())",
+                [next_order + number, number % 1000],
+            )
         seconds = time.monotonic() - started
         print(f"orders: a burst of {burst} single-row transactions in {seconds:.1f} s ({burst / seconds:,.0f}/s)")
 
