@@ -58,10 +58,10 @@ EARLY_RUN = "faulted_torture_run"
 # fresh, as a stream run's is (each run starts its own): their 2 GB transaction of 10 MB values fills most of the
 # default heap, and at their place in path order, after most of the suite, the session's driver ran out of heap there
 # in 3 fresh-clone and CI runs (46d6524, 6bf8447, f3ae802's CI; it passed in the others), and its death failed every
-# later test. What filled the heap in those runs was not found: class histograms of the driver a third of the way
-# through the suite (2026-12-05) found 0.85-1.7 GB live after a full collection while other tests ran (1.16 GB of it
-# long[] arrays, the form of Spark's on-heap memory pages: maybe the running test's own); alone, the module always
-# passed.
+# later test; alone, the module always passed. The driver keeps more heap the longer it lives: sampled every minute
+# after a full collection through a whole suite (2026-12-05), the smallest live heap per ten minutes was 81, 204,
+# 589, 686 and 1,293 MB. What holds it was not found (class histograms: mostly long[] arrays, the form of Spark's
+# on-heap memory pages, and retained query plans).
 BEFORE_TORTURE_RUNS = ("browser/", "integration/test_stream_big_values.py", "integration/test_consistency.py")
 TORTURE_RUNS_STARTED = pytest.StashKey[bool]()
 EARLY_RUN_STARTED = pytest.StashKey[bool]()
