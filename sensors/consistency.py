@@ -29,6 +29,7 @@ from dagster import (
 
 from cdc_assets.assets import CHUNK_CHECK_NAME, chunk_partitions, table_asset_key, table_name_slug
 from cdc_assets.config import ConfigError
+from sensors.stream import PRIORITY_TAG
 
 if TYPE_CHECKING:
     from dagster._core.definitions.unresolved_asset_job_definition import UnresolvedAssetJobDefinition
@@ -38,7 +39,7 @@ RANGE_END_TAG = "dagster/asset_partition_range_end"
 # below every other run in the queue: a check waits for the stream to pass its window, so a stream run (or a
 # snapshot) queued behind a day's worth of checks would make them inconclusive; the instance's
 # tag_concurrency_limits can bound how many run at once (dagster_home/dagster.yaml: one)
-SWEEP_TAGS = {"cdc/reason": "consistency sweep", "dagster/priority": "-1"}
+SWEEP_TAGS = {"cdc/reason": "consistency sweep", PRIORITY_TAG: "-1"}
 
 
 def check_job_name(source_name: str, qualified_name: str) -> str:

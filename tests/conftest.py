@@ -223,23 +223,16 @@ def spark(request: pytest.FixtureRequest):
     running JVM, and the ~558 MB AWS SDK bundle adds seconds to the start, so only then) and the S3 server's
     environment (its credentials reach the driver JVM only at its start)."""
     from cdc_assets.config import SparkConfig
-    from cdc_assets.lake.spark import spark_session
+    from cdc_assets.lake.spark import driver_exit_code, spark_session
 
     lake_root = request.getfixturevalue("s3_lake") if uses_s3_lake(request.session) else None
     session = spark_session(SparkConfig(master="local[2]"), lake_root)
     yield session
-    if spark_driver_exit_code(session) is None:
+    if driver_exit_code() is None:  # one driver per process: the session's
         session.stop()
 
 
 SPARK_DRIVER_DEATH = pytest.StashKey[str]()
-
-
-def spark_driver_exit_code(session) -> int | None:
-    """The exit code of the session's driver JVM (pyspark's ``Popen`` of it), None while it runs."""
-    from cdc_assets.lake.spark import driver_exit_code
-
-    return driver_exit_code()  # one driver per process: the session's
 
 
 def memory_holders(count: int = 6) -> str:
@@ -269,9 +262,11 @@ def spark_driver_outlives_each_test(request: pytest.FixtureRequest) -> Iterator[
     died = request.config.stash.get(SPARK_DRIVER_DEATH, None)
     if died is not None:
         pytest.fail(f"the session's Spark driver JVM died before this test: {died}", pytrace=False)
-    session = request.getfixturevalue("spark")
+    from cdc_assets.lake.spark import driver_exit_code
+
+    request.getfixturevalue("spark")
     yield
-    code = spark_driver_exit_code(session)
+    code = driver_exit_code()  # the session's driver: one per process
     if code is not None:
         died = f"during {request.node.nodeid}, exit code {code} ({memory_holders()})"
         request.config.stash[SPARK_DRIVER_DEATH] = died

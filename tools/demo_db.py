@@ -162,7 +162,7 @@ def extras(burst: int = 20000) -> None:
                 [key, f"doc {key}", text, os.urandom(size), psycopg.types.json.Jsonb({"pad": "x" * (size // 4)}),
                  ["big", str(size)]],
             )  # fmt: skip
-            print(f"documents {key}: text and bytea of {size >> 20} MB each, jsonb of {size >> 22} MB")
+            print(f"documents {key}: text and bytea of {size >> 20} MB each, jsonb of {size >> 12} KB")
         conn.execute(
             "insert into documents values (10, 'reused', 'first life', '\\x01', '{}', 1.5, now(), '{a}') "
             "on conflict (id) do nothing"
