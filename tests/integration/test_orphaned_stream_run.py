@@ -7,14 +7,23 @@ the runs that server launches, each with its Spark driver) on a SQLite instance 
 (its monitor's poll shortened), a real PostgreSQL source and a Delta mirror. Without the tag the orphaned run stays
 STARTED and every sensor tick skips "still in flight" (found in the demo on 2026-12-04): this test then times out
 waiting for the run to fail.
+
+Beside it, a second source whose server never answers (a port that accepts connections and stays silent: a hung
+server) has a stream sensor whose every tick waits ``SILENT_SECONDS`` for its connection. Dagster's daemon evaluates
+sensors one after another unless the instance says ``sensors: use_threads``; then each of those ticks held back the
+first source's stream sensor by as long (found in the demo on 2026-12-05: 38 s between two stream runs). With the
+demo's ``dagster.yaml`` the first source's sensor records its lag every ``interval_seconds`` throughout.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -23,7 +32,7 @@ from pathlib import Path
 import psycopg
 import pytest
 import yaml
-from dagster import DagsterEventType, DagsterInstance, DagsterRunStatus, RunsFilter
+from dagster import AssetRecordsFilter, DagsterEventType, DagsterInstance, DagsterRunStatus, RunsFilter
 from dagster._core.instance.ref import InstanceRef
 
 from cdc_assets.assets import stream_asset_key
@@ -38,6 +47,8 @@ JOB = f"{SOURCE}_stream"
 ROOT = Path(__file__).resolve().parents[2]
 RUN_SECONDS = 20
 MAX_OVERRUN_SECONDS = 10
+SILENT_SECONDS = 20  # the silent source's connect_timeout: how long each of its sensor's ticks waits
+INTERVAL_SECONDS = 5
 
 CONFIG = """
 lake_root: {lake}
@@ -52,7 +63,18 @@ sources:
     startup_mode: latest
     include: ["public.pairs"]
     checks: {{cron: "off"}}
-    stream: {{interval_seconds: 5, run_seconds: {run_seconds}, max_overrun_seconds: {overrun}}}
+    stream: {{interval_seconds: {interval}, run_seconds: {run_seconds}, max_overrun_seconds: {overrun}}}
+  - name: silent
+    kind: postgres
+    connection:
+      {{host: 127.0.0.1, port: {silent_port}, dbname: silent, user: silent_reader, password: "${{ORPHAN_PW}}",
+       connect_timeout: {silent_seconds}}}
+    slot: silent
+    publication: silent
+    startup_mode: latest
+    include: ["public.pairs"]
+    checks: {{cron: "off"}}
+    stream: {{interval_seconds: {interval}, sensor_timeout_seconds: 50}}
 """
 
 
@@ -101,6 +123,35 @@ def kill_group(process: subprocess.Popen) -> None:
 
 
 @pytest.fixture
+def silent_port() -> Iterator[int]:
+    """A loopback port that accepts connections and never answers (a hung server)."""
+    listener = socket.create_server(("127.0.0.1", 0), backlog=128)
+    listener.settimeout(0.5)
+    held: list[socket.socket] = []
+    stop = threading.Event()
+
+    def accept() -> None:
+        while not stop.is_set():
+            try:
+                held.append(listener.accept()[0])
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+
+    thread = threading.Thread(target=accept, name="silent server", daemon=True)
+    thread.start()
+    try:
+        yield listener.getsockname()[1]
+    finally:
+        stop.set()
+        thread.join(timeout=5)
+        for connection in held:
+            connection.close()
+        listener.close()
+
+
+@pytest.fixture
 def orphan_source(postgres_server: dict[str, str]) -> Iterator[str]:
     admin_dsn = f"host={postgres_server['socket']} port={postgres_server['port']} user=postgres"
     create_source(admin_dsn, DATABASE)
@@ -109,18 +160,20 @@ def orphan_source(postgres_server: dict[str, str]) -> Iterator[str]:
 
 
 def test_a_stream_run_lost_with_its_code_server_is_ended_at_its_max_runtime_and_the_next_run_goes_on(
-    orphan_source: str, spark, tmp_path: Path
+    orphan_source: str, silent_port: int, spark, tmp_path: Path
 ) -> None:
     home = tmp_path / "dagster_home"
     home.mkdir()
     instance_yaml = yaml.safe_load((ROOT / "dagster_home" / "dagster.yaml").read_text())
     instance_yaml["run_monitoring"].update({"poll_interval_seconds": 2})
     (home / "dagster.yaml").write_text(yaml.safe_dump(instance_yaml))
+    assert instance_yaml["sensors"]["use_threads"] is True, instance_yaml.get("sensors")
     config = tmp_path / "cdc.yaml"
     config.write_text(
         CONFIG.format(
             lake=tmp_path / "lake", driver_options=SHORT_LIVED_DRIVER_OPTIONS, source=SOURCE, port=PG_PORT,
-            database=DATABASE, run_seconds=RUN_SECONDS, overrun=MAX_OVERRUN_SECONDS,
+            database=DATABASE, run_seconds=RUN_SECONDS, overrun=MAX_OVERRUN_SECONDS, interval=INTERVAL_SECONDS,
+            silent_port=silent_port, silent_seconds=SILENT_SECONDS,
         )
     )  # fmt: skip
     log = tmp_path / "daemon.log"
@@ -146,6 +199,7 @@ def test_a_stream_run_lost_with_its_code_server_is_ended_at_its_max_runtime_and_
         time.sleep(5)
         assert instance.get_run_by_id(orphan.run_id).status == DagsterRunStatus.STARTED  # nothing reported it
 
+        restarted = time.time()
         with daemon(home, config, log):
             wait_for(
                 "the orphaned run ended by the run monitor",
@@ -162,6 +216,17 @@ def test_a_stream_run_lost_with_its_code_server_is_ended_at_its_max_runtime_and_
                 return [run_id for run_id in later if applied_batches(run_id)]
 
             wait_for("a batch of the next stream run", successor_applied, 240, log)
+            lag_recorded = [
+                record.timestamp
+                for record in instance.fetch_observations(
+                    AssetRecordsFilter(asset_key=stream_asset_key(SOURCE), after_timestamp=restarted), limit=1000,
+                    ascending=True,
+                ).records
+            ]  # fmt: skip
+        daemon_log = log.read_text()
+        assert "silent" in daemon_log and "timeout" in daemon_log.lower(), daemon_log[-4000:]  # its ticks did wait
+        gaps = [later - earlier for earlier, later in itertools.pairwise(lag_recorded)]
+        assert len(lag_recorded) >= 6 and max(gaps) < SILENT_SECONDS - INTERVAL_SECONDS, (lag_recorded, gaps)
         mirror = spark.read.format("delta").load(str(tmp_path / "lake" / SOURCE / "public.pairs" / "mirror"))
         rows = sorted((r["region"], r["code"]) for r in mirror.collect())
         assert rows == [(1, "before the loss"), (2, "after the loss")], rows
