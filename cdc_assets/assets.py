@@ -38,12 +38,18 @@ from dagster import (
     DagsterRunStatus,
     DynamicPartitionsDefinition,
     Failure,
+    In,
     MaterializeResult,
     MetadataValue,
+    Nothing,
+    OpExecutionContext,
+    Out,
     RetryPolicy,
     RunsFilter,
     asset,
     asset_check,
+    graph_asset,
+    op,
 )
 
 from cdc_assets.config import SourceConfig
@@ -63,6 +69,11 @@ CHUNK_CHECK_NAME = "chunk_matches_source"
 CAPTURED_CHECK_NAME = "table_is_captured"
 # a retried step re-reads (snapshot: new attempt, new window) or re-applies idempotently (stream)
 RETRY = RetryPolicy(max_retries=3, delay=5)
+# run tags of stream runs: when the run's batches end (unix seconds; the streaming sensor requests a successor before),
+# and that a run's driver is warm and waits for the lake-write pool (the run holding it then ends after its batch)
+ENDS_AT_TAG = "cdc/stream_ends_at"
+READY_TAG = "cdc/ready_to_take_over"
+HANDOFF_POLL_SECONDS = 0.5
 
 
 @contextmanager
@@ -315,34 +326,62 @@ def skipped_table_evaluation(source: SourceConfig, skipped: SkippedTableLike) ->
 
 
 def build_stream_asset(source: SourceConfig, table_names: list[str]) -> AssetsDefinition:
-    @asset(
-        key=stream_asset_key(source.name),
+    """The stream asset: two steps in the run's one process (``in_process_executor``). ``warm_up`` starts the Spark
+    driver outside the source's lake-write pool and, when another run holds the pool (the predecessor a successor was
+    requested for, ``sensors.stream``), warms it and waits there; ``batches`` then holds the pool and streams."""
+
+    @op(
+        name=f"{source.name}_stream_warm_up",
         required_resource_keys={"cdc"},
-        group_name=source.name,
+        out=Out(Nothing),
+        description="Starts the run's Spark driver; while another run holds the lake-write pool, warms the driver "
+        f"(cdc_assets.lake.warm_up), tags this run {READY_TAG}=true and waits for the pool to be free.",
+    )
+    def warm_up(context: OpExecutionContext) -> None:
+        with not_retried_when_interrupted(f"warm-up of the stream of source {source.name!r}"):
+            _warm_up_while_the_pool_is_held(context, source, table_names)
+
+    @op(
+        name=f"{source.name}_stream_batches",
+        required_resource_keys={"cdc"},
+        ins={"warm": In(Nothing)},
+        out=Out(is_required=False),  # every batch is recorded as it happens (a materialization event), see below
         pool=lake_pool(source.name),
         retry_policy=RETRY,
-        output_required=False,  # every batch is recorded as it happens (a materialization event), see below
+    )
+    def stream_batches(context: OpExecutionContext) -> Iterator[AssetMaterialization | AssetObservation]:
+        """Batches back to back while the run lasts: each batch's offset is recorded (the event is stored when it is
+        yielded), and only then may the source forget what it covers (PostgreSQL: the slot follows it). The run ends
+        at ``run_seconds``, or after one batch when ``run_seconds`` is 0, or as soon as another run is waiting for the
+        source's lake-write pool (a stream run only once it is warm). An interrupt ends it without a retry
+        (``not_retried_when_interrupted``)."""
+        with not_retried_when_interrupted(f"stream of source {source.name!r}"):
+            yield from batches(context)
+
+    @graph_asset(
+        key=stream_asset_key(source.name),
+        group_name=source.name,
         kinds={source.kind, "spark", "delta"},
         description=(
             f"Change stream of source {source.name!r} ({source.kind}): one materialization per micro-batch; metadata "
             "holds the offset with Debezium's field names (PostgreSQL: lsn, lsn_commit, lsn_proc, txId, ts_usec). A "
-            f"run keeps its Spark session and runs batches for up to stream.run_seconds={source.stream.run_seconds}."
+            f"run keeps its Spark session and runs batches for up to stream.run_seconds={source.stream.run_seconds}; "
+            f"its successor is requested stream.handoff_seconds={source.stream.handoff_seconds} before that and warms "
+            "its driver while this run streams."
         ),
     )
-    def stream_batches(context: AssetExecutionContext) -> Iterator[AssetMaterialization]:
-        """Batches back to back while the run lasts: each batch's offset is recorded (the event is stored when it is
-        yielded), and only then may the source forget what it covers (PostgreSQL: the slot follows it). The run ends
-        at ``run_seconds``, or after one batch when ``run_seconds`` is 0, or as soon as another run is waiting for the
-        source's lake-write pool. An interrupt ends it without a retry (``not_retried_when_interrupted``)."""
-        with not_retried_when_interrupted(f"stream of source {source.name!r}"):
-            yield from batches(context)
+    def stream():
+        return stream_batches(warm_up())
 
-    def batches(context: AssetExecutionContext) -> Iterator[AssetMaterialization]:
+    def batches(context: OpExecutionContext) -> Iterator[AssetMaterialization | AssetObservation]:
         cdc = context.resources.cdc
         pipeline = cdc.pipeline(source.name)
         spark = cdc.spark()
         recorded = recorded_offset(context.instance, source.name)
         deadline = time.monotonic() + source.stream.run_seconds
+        if source.stream.run_seconds:  # the streaming sensor requests a successor handoff_lead_seconds before this
+            ends_at = str(round(time.time() + source.stream.run_seconds))
+            context.instance.add_run_tags(context.run.run_id, {ENDS_AT_TAG: ends_at})
         while True:
             report = pipeline.stream_batch(spark, recorded, context.run.run_id)
             context.log.info(batch_log_line(report))
@@ -391,11 +430,45 @@ def build_stream_asset(source: SourceConfig, table_names: list[str]) -> AssetsDe
             if not _next_batch_due(context, pipeline, source, deadline):
                 return
 
-    return stream_batches
+    return stream
+
+
+def _warm_up_while_the_pool_is_held(context: OpExecutionContext, source: SourceConfig, table_names: list[str]) -> None:
+    """Start the driver; while another run holds the source's lake-write pool, warm it (once), say so in a run tag the
+    run holding the pool looks for (``_another_run_needs_the_pool``), and wait until the pool is free. With the pool
+    free at once (no run in flight), the first batch starts without a warm-up."""
+    from cdc_assets.lake.layout import SourceLake  # Spark imports stay out of definition loading
+    from cdc_assets.lake.warm_up import warm_up_driver
+
+    cdc = context.resources.cdc
+    spark = cdc.spark()  # the run's one process keeps it for the batches step
+    run_id = context.run.run_id
+    pool = lake_pool(source.name)
+
+    def holders() -> set[str]:
+        return {slot.run_id for slot in context.instance.event_log_storage.get_concurrency_info(pool).claimed_slots} - {
+            run_id
+        }
+
+    held_by = holders()
+    if not held_by:
+        return
+    active = context.instance.get_run_records(RunsFilter(statuses=ACTIVE_RUN_STATUSES))
+    live = {record.dagster_run.run_id for record in active}
+    warm = warm_up_driver(spark, SourceLake(cdc.config.lake_root, source.name), table_names, run_id, live)
+    context.instance.add_run_tags(run_id, {READY_TAG: "true"})
+    context.log.info(
+        f"driver warmed in {warm.seconds:.1f} s ({warm.mirrors_loaded} mirrors' logs read) while run "
+        f"{', '.join(sorted(held_by))} holds the lake-write pool {pool}: waiting for it, ready to take over"
+    )
+    waited = time.monotonic()
+    while holders():
+        time.sleep(HANDOFF_POLL_SECONDS)
+    context.log.info(f"the lake-write pool {pool} is free after {time.monotonic() - waited:.1f} s: streaming")
 
 
 def _maintain(
-    context: AssetExecutionContext,
+    context: OpExecutionContext,
     pipeline: CdcSource,
     spark: "SparkSession",
     source: SourceConfig,
@@ -557,7 +630,7 @@ def build_lag_check(source: SourceConfig) -> AssetChecksDefinition:
     return lag_within_bound
 
 
-def _next_batch_due(context: AssetExecutionContext, pipeline: CdcSource, source: SourceConfig, deadline: float) -> bool:
+def _next_batch_due(context: OpExecutionContext, pipeline: CdcSource, source: SourceConfig, deadline: float) -> bool:
     """Wait (polling every ``poll_seconds``) until a batch is due; False when the run should end instead."""
     while time.monotonic() < deadline:
         if _another_run_needs_the_pool(context, source.name):
@@ -569,9 +642,10 @@ def _next_batch_due(context: AssetExecutionContext, pipeline: CdcSource, source:
     return False
 
 
-def _another_run_needs_the_pool(context: AssetExecutionContext, source_name: str) -> bool:
-    """Whether another active run needs this source's lake-write pool (its offset job, its snapshot_rows job, or
-    another stream run)."""
+def _another_run_needs_the_pool(context: OpExecutionContext, source_name: str) -> bool:
+    """Whether another active run needs this source's lake-write pool: its offset job, its snapshot_rows job, or
+    another stream run once that one's driver is warm (``READY_TAG``; a successor still starting does not end this
+    run: its first batch would wait for its driver instead)."""
     stream_key = stream_asset_key(source_name)
     for record in context.instance.get_run_records(RunsFilter(statuses=ACTIVE_RUN_STATUSES)):
         run = record.dagster_run
@@ -579,7 +653,7 @@ def _another_run_needs_the_pool(context: AssetExecutionContext, source_name: str
             continue
         if run.job_name in (change_offset_job_name(source_name), snapshot_rows_job_name(source_name)):
             return True
-        if stream_key in (run.asset_selection or set()):
+        if stream_key in (run.asset_selection or set()) and run.tags.get(READY_TAG) == "true":
             return True
     return False
 

@@ -206,6 +206,11 @@ class StreamConfig:
     # Above the longest batch the source can take (a batch that always outlasts it never completes; the run fails
     # saying "Exceeded maximum runtime")
     max_overrun_seconds: int = 1800
+    # a successor stream run is requested this long before the run in flight reaches ``run_seconds`` (at most half of
+    # ``run_seconds``; 0: none before the run ends): it starts its Spark driver and warms it outside the lake-write
+    # pool, and the run in flight ends after its current batch as soon as the successor is warm, so the first batch
+    # of the next run does not pay a driver start and a cold JVM's MERGE (7.6 s against 1.4 s warm, bench.freshness)
+    handoff_seconds: int = 60
     # lake upkeep between stream batches (cdc_assets.lake.maintenance), each step at most this often (0: never; then
     # run it yourself): staged rows of finished snapshots dropped and tables compacted; files no longer referenced
     # deleted from storage (VACUUM)
@@ -215,9 +220,18 @@ class StreamConfig:
     compact_target_mb: int = 64
 
     @property
+    def handoff_lead_seconds(self) -> int:
+        """How long before the run in flight ends its successor is requested: ``handoff_seconds``, at most half of
+        ``run_seconds`` (a successor warm sooner would end its predecessor sooner); 0 for one batch per run."""
+        return min(self.handoff_seconds, self.run_seconds // 2)
+
+    @property
     def max_runtime_seconds(self) -> int | None:
-        """The bound of a stream run's time in flight (Dagster's ``dagster/max_runtime`` tag), None for no bound."""
-        return self.run_seconds + self.max_overrun_seconds if self.max_overrun_seconds else None
+        """The bound of a stream run's time in flight (Dagster's ``dagster/max_runtime`` tag), None for no bound: a
+        successor waits up to ``handoff_lead_seconds`` for its predecessor before its own ``run_seconds``."""
+        if not self.max_overrun_seconds:
+            return None
+        return self.handoff_lead_seconds + self.run_seconds + self.max_overrun_seconds
 
 
 @dataclass(frozen=True)
@@ -508,7 +522,7 @@ def _stream(raw: Any, where: str) -> StreamConfig:
         "interval_seconds", "max_changes", "max_lag_bytes", "spill_rows", "poll_seconds", "compact_target_mb",
         "max_batch_bytes", "spill_bytes", "max_lag_alert_bytes", "max_lag_alert_seconds", "sensor_timeout_seconds",
     }  # fmt: skip
-    zero_or_positive = {"run_seconds", "compact_seconds", "vacuum_seconds", "max_overrun_seconds"}
+    zero_or_positive = {"run_seconds", "compact_seconds", "vacuum_seconds", "max_overrun_seconds", "handoff_seconds"}
     stream = _mapping(raw, where, positive | zero_or_positive)
     defaults = StreamConfig()
     values = {k: _positive_int(stream.get(k, getattr(defaults, k)), f"{where}.{k}") for k in positive}

@@ -1,5 +1,8 @@
-"""The streaming sensor of a source: launches one stream run at a time, only when there is work (a run then runs
-batches for up to ``stream.run_seconds``, keeping its Spark session).
+"""The streaming sensor of a source: launches a stream run when there is work and none is in flight (a run then
+runs batches for up to ``stream.run_seconds``, keeping its Spark session), and its successor
+``stream.handoff_lead_seconds`` before the run in flight ends (``successor_reason``): the successor starts and warms
+its driver outside the lake-write pool, and the run in flight ends after its batch once the successor is warm
+(``cdc_assets.assets``), so the next batch does not wait for a driver start and a cold JVM. Never more than two.
 
 Work means: the slot holds a change for the publication, a staged chunk's high watermark is at or below the
 server's flush LSN (its window can close), or the slot lags the server by more than ``max_lag_bytes`` (advance it
@@ -29,9 +32,12 @@ instance's run slots (``max_concurrent_runs``) with snapshot and check runs, and
 takes the next free slot before them (default priority 0; the sweep's -1); it does not stop a running one.
 """
 
+import time
+
 from dagster import (
     AssetCheckEvaluation,
     AssetObservation,
+    DagsterRun,
     RunRequest,
     RunsFilter,
     SensorDefinition,
@@ -43,6 +49,7 @@ from dagster import (
 
 from cdc_assets.assets import (
     ACTIVE_RUN_STATUSES,
+    ENDS_AT_TAG,
     LAG_CHECK_NAME,
     lag_evaluation,
     lag_metadata,
@@ -105,23 +112,41 @@ def build_stream_sensor(source_name: str, job_name: str, interval_seconds: int) 
                 AssetObservation(asset_key=key, metadata=lag_metadata(lag)),
                 AssetCheckEvaluation(asset_key=key, check_name=LAG_CHECK_NAME, **lag_evaluation(source, lag)),
             ]
-        in_flight = context.instance.get_run_records(active, limit=1)
+        in_flight = [record.dagster_run for record in context.instance.get_run_records(active, limit=2)]
         if in_flight:
-            skip = f"stream run {in_flight[0].dagster_run.run_id} is still in flight"
-            return SensorResult(skip_reason=skip, asset_events=events)
-        if reason is None:
+            handoff = successor_reason(in_flight, source.stream.handoff_lead_seconds, time.time())
+            if handoff is None or reason is None:
+                skip = f"stream run {in_flight[0].run_id} is still in flight"
+                return SensorResult(skip_reason=skip, asset_events=events)
+            reason = f"{handoff}; {reason}"
+        elif reason is None:
             return SensorResult(skip_reason="nothing new", asset_events=events)
         return SensorResult(run_requests=[RunRequest(tags=stream_run_tags(source.stream, reason))], asset_events=events)
 
     return stream_sensor
 
 
+def successor_reason(in_flight: list[DagsterRun], lead_seconds: int, now: float) -> str | None:
+    """Why a successor is requested now, or None: one stream run in flight, streaming (it tagged when its batches end,
+    ``ENDS_AT_TAG``), and within ``lead_seconds`` before that end. Not past the end: that run is in its last batch and
+    ends soon, or it was lost with its code server and holds the pool until the run monitor ends it (up to
+    ``max_overrun_seconds``), longer than a successor should wait; the next tick after it ends requests a run as
+    before. Never a third run, nor a successor with ``lead_seconds`` 0."""
+    if len(in_flight) != 1 or not lead_seconds:
+        return None
+    (run,) = in_flight
+    ends_at = run.tags.get(ENDS_AT_TAG)
+    if ends_at is None or not float(ends_at) - lead_seconds <= now <= float(ends_at):
+        return None
+    return f"successor of stream run {run.run_id}, whose batches end in {round(float(ends_at) - now)} s"
+
+
 def stream_run_tags(stream: StreamConfig, reason: str) -> dict[str, str]:
     """A stream run's tags: why it was requested (``cdc/reason``), and its bound in flight (``dagster/max_runtime``:
-    ``stream.run_seconds`` + ``stream.max_overrun_seconds``), past which Dagster's run monitor cancels it and marks
-    it failed, also when no process is left to report it (its code server lost with it), so this sensor's "still in
-    flight" ends and the next tick launches a run that goes on from the recorded offset; and its queue priority
-    (``dagster/priority``, ``STREAM_PRIORITY``), above snapshot and check runs."""
+    ``stream.handoff_lead_seconds`` + ``stream.run_seconds`` + ``stream.max_overrun_seconds``), past which Dagster's
+    run monitor cancels it and marks it failed, also when no process is left to report it (its code server lost with
+    it), so this sensor's "still in flight" ends and the next tick launches a run that goes on from the recorded
+    offset; and its queue priority (``dagster/priority``, ``STREAM_PRIORITY``), above snapshot and check runs."""
     tags = {"cdc/reason": reason, PRIORITY_TAG: STREAM_PRIORITY}
     if stream.max_runtime_seconds is not None:
         tags[MAX_RUNTIME_TAG] = str(stream.max_runtime_seconds)

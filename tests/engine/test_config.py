@@ -130,16 +130,24 @@ def test_the_sensors_wait_for_a_source_is_bounded_below_dagsters_tick_limit() ->
             parse(too_long)
 
 
-def test_a_stream_runs_bound_in_flight_is_run_seconds_plus_the_overrun_or_none_when_off() -> None:
+def test_a_stream_runs_bound_in_flight_is_its_handoff_lead_run_seconds_and_overrun_or_none_when_off() -> None:
     from sensors.stream import MAX_RUNTIME_TAG, PRIORITY_TAG, stream_run_tags
 
     default = parse(BASE).source("demo").stream
     assert (default.run_seconds, default.max_overrun_seconds, default.max_runtime_seconds) == (0, 1800, 1800)
+    assert (default.handoff_seconds, default.handoff_lead_seconds) == (60, 0)  # one batch per run: no successor early
     long_lived = parse(with_stream({"run_seconds": 600, "max_overrun_seconds": 300})).source("demo").stream
-    assert long_lived.max_runtime_seconds == 900
+    assert long_lived.handoff_lead_seconds == 60
+    assert long_lived.max_runtime_seconds == 960  # a successor waits up to its lead for the pool
+    short = parse(with_stream({"run_seconds": 30, "handoff_seconds": 60})).source("demo").stream
+    assert short.handoff_lead_seconds == 15  # at most half of run_seconds
+    no_handoff = parse(with_stream({"run_seconds": 600, "handoff_seconds": 0})).source("demo").stream
+    assert (no_handoff.handoff_lead_seconds, no_handoff.max_runtime_seconds) == (0, 2400)
+    with pytest.raises(ConfigError, match=r"stream\.handoff_seconds: expected 0 \(off\) or a positive integer"):
+        parse(with_stream({"handoff_seconds": -1}))
     assert stream_run_tags(long_lived, "slot holds changes") == {
         "cdc/reason": "slot holds changes",
-        MAX_RUNTIME_TAG: "900",
+        MAX_RUNTIME_TAG: "960",
         PRIORITY_TAG: "1",  # before snapshot (0) and sweep (-1) runs in the queue
     }
     unbounded = parse(with_stream({"run_seconds": 600, "max_overrun_seconds": 0})).source("demo").stream

@@ -31,7 +31,7 @@ from dagster import (
 )
 from dagster._core.instance.ref import InstanceRef
 
-from cdc_assets.assets import recorded_offset, stream_asset_key
+from cdc_assets.assets import ENDS_AT_TAG, READY_TAG, lake_pool, recorded_offset, stream_asset_key
 from cdc_assets.build import build_definitions
 from cdc_assets.engine.chunks import chunk_partition_key
 from cdc_assets.lake.layout import SourceLake
@@ -236,6 +236,84 @@ def test_long_lived_stream_run_steps_aside_for_a_waiting_run_of_the_pool(
     assert result.success
     assert len(result.asset_materializations_for_node(stream_asset.node_def.name)) == 1
     assert time.monotonic() - started < 300  # ended after its batch, not at run_seconds
+
+
+def test_a_long_lived_stream_run_hands_over_only_to_a_successor_whose_driver_is_warm(config_path, spark) -> None:
+    """A stream run of the same source in flight ends a long-lived run after its batch once it is tagged ready
+    (its driver warm, waiting for the pool); one still starting does not: the run goes on to its ``run_seconds``."""
+    path, _ = config_path
+    defs = build_definitions(long_lived_config(path, 15))
+    stream_asset = next(a for a in defs.assets if stream_asset_key("defs") in a.keys)
+    for ready, ends_at_run_seconds in ((False, True), (True, False)):
+        instance = DagsterInstance.ephemeral()
+        instance.create_run_for_job(
+            defs.get_job_def("defs_stream"), asset_selection=frozenset({stream_asset_key("defs")}),
+            status=DagsterRunStatus.STARTED, tags={READY_TAG: "true"} if ready else {},
+        )  # fmt: skip
+        started = time.monotonic()
+        result = materialize([stream_asset], resources=defs.resources, instance=instance)
+        elapsed = time.monotonic() - started
+        assert result.success
+        assert (elapsed >= 15) is ends_at_run_seconds, (ready, elapsed)
+        (run,) = [r for r in instance.get_runs() if r.run_id == result.run_id]
+        assert ENDS_AT_TAG in run.tags  # what the streaming sensor times the successor by
+
+
+def test_a_stream_run_whose_pool_is_held_warms_its_driver_and_streams_once_the_pool_is_free(config_path, spark) -> None:
+    """The stream asset's first step starts the driver outside the lake-write pool; while another run holds the
+    pool it warms the driver, tags the run ready (what the run holding the pool looks for) and waits; the batch
+    runs once the pool is free."""
+    path, admin_dsn = config_path
+    defs = build_definitions(path)
+    stream_asset = next(a for a in defs.assets if stream_asset_key("defs") in a.keys)
+    with psycopg.connect(f"{admin_dsn} dbname={DATABASE}", autocommit=True) as admin:
+        admin.execute("insert into pairs values (4000, 'while the pool is held', 0, 'z')")
+    pool = lake_pool("defs")
+    freed: list[float] = []
+    with instance_for_test(overrides={"concurrency": {"pools": {"default_limit": 1}}}) as instance:
+        instance.event_log_storage.initialize_concurrency_limit_to_default(pool)  # as a run's executor does
+        assert instance.event_log_storage.claim_concurrency_slot(pool, "predecessor", "stream").is_claimed
+
+        def free_once_ready() -> None:
+            deadline = time.monotonic() + 240
+            while time.monotonic() < deadline and not freed:
+                if any(run.tags.get(READY_TAG) == "true" for run in instance.get_runs()):
+                    time.sleep(2)  # the run waits while the pool stays held
+                    freed.append(time.time())
+                    instance.event_log_storage.free_concurrency_slot_for_step("predecessor", "stream")
+                time.sleep(0.2)
+
+        freeing = threading.Thread(target=free_once_ready)
+        freeing.start()
+        result = materialize([stream_asset], resources=defs.resources, instance=instance)
+        freeing.join()
+        assert result.success and freed, freed
+        messages = [entry.message for entry in instance.all_logs(result.run_id)]
+        assert any("driver warmed in" in m and "holds the lake-write pool" in m for m in messages), messages
+        batches = instance.get_records_for_run(result.run_id, of_type=DagsterEventType.ASSET_MATERIALIZATION).records
+        assert batches and min(record.event_log_entry.timestamp for record in batches) >= freed[0]
+        assert not (SourceLake(path.parent / "lake", "defs").control / "warm_up" / result.run_id).exists()
+
+
+def test_the_stream_sensor_requests_a_successor_within_the_handoff_lead_of_the_runs_end(config_path) -> None:
+    path, admin_dsn = config_path
+    defs = build_definitions(long_lived_config(path, 600))  # handoff_seconds 60 by default
+    sensor = defs.resolve_sensor_def("defs_stream_sensor")
+    with psycopg.connect(f"{admin_dsn} dbname={DATABASE}", autocommit=True) as admin:
+        admin.execute("insert into pairs values (4001, 'pending', 0, 'z')")  # work for the stream
+    reasons = []
+    for ends_in in (300, 30):
+        with DagsterInstance.ephemeral() as instance:
+            in_flight = instance.create_run_for_job(
+                defs.get_job_def("defs_stream"), asset_selection=frozenset({stream_asset_key("defs")}),
+                status=DagsterRunStatus.STARTED, tags={ENDS_AT_TAG: str(round(time.time() + ends_in))},
+            )  # fmt: skip
+            with build_sensor_context(instance=instance, resources=defs.resources, definitions=defs) as context:
+                result = sensor.evaluate_tick(context)
+            reasons.append([request.tags["cdc/reason"] for request in result.run_requests])
+    assert reasons[0] == [], reasons
+    (successor,) = reasons[1]
+    assert successor.startswith(f"successor of stream run {in_flight.run_id}, whose batches end in "), successor
 
 
 def test_planner_requests_initial_snapshot_runs_without_the_chunk_checks(config_path) -> None:

@@ -62,7 +62,9 @@ sources:
     startup_mode: latest
     include: ["public.pairs"]
     checks: {{cron: "off"}}
-    stream: {{interval_seconds: {interval}, run_seconds: {run_seconds}, max_overrun_seconds: {overrun}}}
+    # no successor before the run ends (handoff_seconds 0): one requested before the kill would be lost with it too
+    stream:
+      {{interval_seconds: {interval}, run_seconds: {run_seconds}, max_overrun_seconds: {overrun}, handoff_seconds: 0}}
   - name: silent
     kind: postgres
     connection:
