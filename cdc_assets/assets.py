@@ -335,11 +335,12 @@ def build_stream_asset(source: SourceConfig, table_names: list[str]) -> AssetsDe
         required_resource_keys={"cdc"},
         out=Out(Nothing),
         description="Starts the run's Spark driver; while another run holds the lake-write pool, warms the driver "
-        f"(cdc_assets.lake.warm_up), tags this run {READY_TAG}=true and waits for the pool to be free.",
+        "(a batch of each table rehearsed on scratch tables, cdc_assets.lake.warm_up), tags this run "
+        f"{READY_TAG}=true and waits for the pool to be free.",
     )
     def warm_up(context: OpExecutionContext) -> None:
         with not_retried_when_interrupted(f"warm-up of the stream of source {source.name!r}"):
-            _warm_up_while_the_pool_is_held(context, source, table_names)
+            _warm_up_while_the_pool_is_held(context, source)
 
     @op(
         name=f"{source.name}_stream_batches",
@@ -433,34 +434,33 @@ def build_stream_asset(source: SourceConfig, table_names: list[str]) -> AssetsDe
     return stream
 
 
-def _warm_up_while_the_pool_is_held(context: OpExecutionContext, source: SourceConfig, table_names: list[str]) -> None:
-    """Start the driver; while another run holds the source's lake-write pool, warm it (once), say so in a run tag the
-    run holding the pool looks for (``_another_run_needs_the_pool``), and wait until the pool is free. With the pool
-    free at once (no run in flight), the first batch starts without a warm-up."""
-    from cdc_assets.lake.layout import SourceLake  # Spark imports stay out of definition loading
-    from cdc_assets.lake.warm_up import warm_up_driver
-
+def _warm_up_while_the_pool_is_held(context: OpExecutionContext, source: SourceConfig) -> None:
+    """Start the driver; while another run holds the source's lake-write pool, warm it once (``CdcSource.warm_up``:
+    each table's latest batch rehearsed on scratch tables), say so in a run tag the run holding the pool looks for
+    (``_another_run_needs_the_pool``), and wait until the pool is free. With the pool free at once (no run in
+    flight), the first batch starts without a warm-up."""
     cdc = context.resources.cdc
     spark = cdc.spark()  # the run's one process keeps it for the batches step
     run_id = context.run.run_id
     pool = lake_pool(source.name)
 
     def holders() -> set[str]:
-        return {slot.run_id for slot in context.instance.event_log_storage.get_concurrency_info(pool).claimed_slots} - {
-            run_id
-        }
+        claimed = context.instance.event_log_storage.get_concurrency_info(pool).claimed_slots
+        return {slot.run_id for slot in claimed} - {run_id}
 
     held_by = holders()
     if not held_by:
         return
     active = context.instance.get_run_records(RunsFilter(statuses=ACTIVE_RUN_STATUSES))
-    live = {record.dagster_run.run_id for record in active}
-    warm = warm_up_driver(spark, SourceLake(cdc.config.lake_root, source.name), table_names, run_id, live)
+    warm = cdc.pipeline(source.name).warm_up(spark, run_id, {record.dagster_run.run_id for record in active})
     context.instance.add_run_tags(run_id, {READY_TAG: "true"})
     context.log.info(
-        f"driver warmed in {warm.seconds:.1f} s ({warm.mirrors_loaded} mirrors' logs read) while run "
-        f"{', '.join(sorted(held_by))} holds the lake-write pool {pool}: waiting for it, ready to take over"
+        f"driver warmed in {warm.seconds:.1f} s (a batch rehearsed on scratch tables for "
+        f"{', '.join(warm.rehearsed) or 'no table: none has a changelog yet'}) while run {', '.join(sorted(held_by))} "
+        f"holds the lake-write pool {pool}: waiting for it, ready to take over"
     )
+    for table, error in warm.failed.items():
+        context.log.warning(f"warm-up of table {table} failed, the first batch will be slower: {error}")
     waited = time.monotonic()
     while holders():
         time.sleep(HANDOFF_POLL_SECONDS)

@@ -98,6 +98,7 @@ from cdc_assets.lake.files import LakePath
 from cdc_assets.lake.layout import SourceLake
 from cdc_assets.lake.mirror import USER_METADATA, StagedRowsMismatch, append_changelog, apply_changes, reconcile
 from cdc_assets.lake.spark import DRIVER_MEMORY, big_batch_conf, default_driver_memory, driver_process, session_conf
+from cdc_assets.lake.warm_up import WarmUp, rehearse_batch, scratch_folder, timed
 from cdc_assets.lake.watermark_window import run_window
 from cdc_assets.source import (
     CapturedTablesChanged,
@@ -115,6 +116,8 @@ from cdc_assets.source import (
 # source captures now; more than a few in a row means tables are created faster than a batch is read)
 RESOLVE_AGAIN_LIMIT = 5
 BOUNDS_FILE = "stream_bounds.json"
+# tables a successor stream run rehearses a batch of while it waits (those written last): each costs a few seconds
+WARM_UP_TABLES = 8
 
 
 class StreamBatchError(RuntimeError):
@@ -380,6 +383,35 @@ class CdcPipeline(Generic[TableT]):
             low_watermark=windows[0].low_watermark,
             hw=windows[0].hw,
         )
+
+    # -- a successor stream run's driver, warmed while its predecessor streams -----------------------------------
+    def warm_up(
+        self, spark: SparkSession, run_id: str, live_run_ids: set[str], max_tables: int = WARM_UP_TABLES
+    ) -> WarmUp:
+        """Rehearse the latest batch of the tables whose changelogs were written last (at most ``max_tables``) on
+        scratch tables (``cdc_assets.lake.warm_up``: same code, same columns). A table whose rehearsal fails is named
+        in the result, not raised: a warm-up only saves time, and the batch then meets the error itself."""
+        started = time.monotonic()
+        warm = WarmUp()
+
+        def last_written(name: str) -> float:
+            entries = (LakePath(self.lake.table(name).changelog) / "_delta_log").entries()
+            return max((entry.mtime or 0.0 for entry in entries), default=0.0)
+
+        written = sorted(((last_written(name), name) for name in self.tables), reverse=True)
+        with scratch_folder(self.lake, run_id, live_run_ids) as scratch:
+            for index, (when, name) in enumerate(written[:max_tables]):
+                if not when:
+                    continue
+                table = self.tables[name]
+                try:
+                    fields = self.dialect.spark_fields(table)
+                    paths = self.lake.table(name)
+                    if rehearse_batch(spark, scratch / str(index), paths, fields, table.key_columns):
+                        warm.rehearsed.append(name)
+                except Exception as error:  # named in the run's log by the caller
+                    warm.failed[name] = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+        return timed(started, warm)
 
     # -- streaming -------------------------------------------------------------------------------------------
     def stream_batch(self, spark: SparkSession, recorded: Offset | None, run_id: str) -> StreamReport:

@@ -60,6 +60,8 @@ from cdc_assets.lake.layout import SourceLake
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
 
+    from cdc_assets.lake.warm_up import WarmUp
+
 
 class CapturedTableLike(Protocol):
     """What the shared code reads of a captured table or collection."""
@@ -195,6 +197,8 @@ class CdcSource(Protocol[TableT]):
     def snapshot(self, spark: SparkSession, table: TableT, chunk_indexes: list[int], run_id: str) -> SnapshotReport: ...
 
     def stream_batch(self, spark: SparkSession, recorded: Mapping[str, object] | None, run_id: str) -> StreamReport: ...
+
+    def warm_up(self, spark: SparkSession, run_id: str, live_run_ids: set[str]) -> WarmUp: ...
 
     def acknowledge(self, offset: Mapping[str, object]) -> int: ...
 

@@ -1,78 +1,94 @@
 """Warming a stream run's Spark driver while another run of the source still streams.
 
-A stream run's first batch in a fresh driver JVM runs its MERGE several times slower than the next ones (7.6 s against
-1.4 s in the freshness bench, 2026-12-04): Delta's and Spark's classes are loaded and compiled on first use, and each
-mirror's log is read for the first time. A successor run started before its predecessor ends pays that here, while it
-waits for the source's lake-write pool, instead of in its first batch.
+A stream run's first batch in a fresh driver JVM runs several times slower than the next ones: Spark compiles the
+code of each query shape on first use, the JVM compiles Delta's and Spark's hot paths, and each mirror's and
+changelog's Delta log is read for the first time (bench.freshness, 2026-12-05: a successor's first batch 10.5 s,
+changelog 3.6 s and MERGE 5.6 s against 0.35 and 1.48 s, after a warm-up MERGE of another shape). A successor run
+started before its predecessor ends pays that while it waits for the source's lake-write pool: it rehearses the batch
+of each table on a scratch copy, with the same code (``append_changelog``, ``apply_changes``), the same columns and
+the changelog's latest rows.
 
-Contract: writes only a scratch Delta table under the source's control folder (``_cdc/warm_up/<run_id>``), removed
-before returning; a folder there of a run not in ``live_run_ids`` (one killed while warming) is removed too. Reads only
-the mirrors' Delta logs; never touches a mirror, a changelog or the source. A mirror not created yet is passed over.
+Contract: writes only scratch Delta tables under the source's control folder (``_cdc/warm_up/<run_id>``), removed
+before returning; a folder there of a run not in ``live_run_ids`` (one killed while warming) is removed too. Reads the
+mirrors' and changelogs' Delta logs and the changelogs' latest rows; never writes a mirror, a changelog or the source.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 
-from pyspark.sql import SparkSession
+from delta.tables import DeltaTable
+from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
+from pyspark.sql import types as T
 
-from cdc_assets.lake.layout import SourceLake
+from cdc_assets.lake.files import LakePath
+from cdc_assets.lake.layout import SourceLake, TablePaths
+from cdc_assets.lake.mirror import append_changelog, apply_changes, last_applied_position
 
-SCRATCH_ROWS = 1_000
-BATCH_ROWS = 200
+REHEARSAL_ROWS = 500  # of the changelog's latest batch: enough for every branch of the MERGE, little to write
 
 
-@dataclass(frozen=True)
+@dataclass
 class WarmUp:
-    seconds: float
-    mirrors_loaded: int
+    seconds: float = 0.0
+    rehearsed: list[str] = field(default_factory=list)
+    failed: dict[str, str] = field(default_factory=dict)  # table -> error: a warm-up never fails the run
 
 
-def warm_up_driver(
-    spark: SparkSession, lake: SourceLake, table_names: Iterable[str], run_id: str, live_run_ids: set[str]
-) -> WarmUp:
-    """Run one MERGE of the mirrors' shape (updates, deletes and inserts by key) into a scratch table, and load each
-    existing mirror's Delta log into the driver's cache."""
-    started = time.monotonic()
+@contextmanager
+def scratch_folder(lake: SourceLake, run_id: str, live_run_ids: set[str]) -> Iterator[LakePath]:
+    """``_cdc/warm_up/<run_id>``, removed on exit; other runs' folders there are removed first unless live."""
     folder = lake.control / "warm_up"
     for entry in folder.entries():
         if entry.name not in live_run_ids | {run_id}:
             entry.path.rmtree()
-    scratch = str(folder / run_id)
     try:
-        return _warm_up(spark, lake, table_names, scratch, started)
+        yield folder / run_id
     finally:
         (folder / run_id).rmtree()
 
 
-def _warm_up(spark: SparkSession, lake: SourceLake, table_names: Iterable[str], scratch: str, started: float) -> WarmUp:
-    from delta.tables import DeltaTable
+def latest_changes(spark: SparkSession, changelog: str, rows: int = REHEARSAL_ROWS) -> DataFrame | None:
+    """Up to ``rows`` changes of the changelog's latest batch (its files found from the position statistics), or
+    None when there is no changelog yet."""
+    position = last_applied_position(spark, changelog)
+    if position is None:
+        return None
+    return spark.read.format("delta").load(changelog).where(F.col("_cdc_position") == position).limit(rows)
 
-    rows = spark.range(SCRATCH_ROWS).select(
-        F.col("id").alias("key"), F.concat(F.lit("value "), F.col("id").cast("string")).alias("value"),
-        F.current_timestamp().alias("_cdc_applied_at"),
-    )  # fmt: skip
-    rows.write.format("delta").save(scratch)
-    changes = spark.range(SCRATCH_ROWS - BATCH_ROWS // 2, SCRATCH_ROWS + BATCH_ROWS // 2).select(
-        F.col("id").alias("key"), F.lit("changed").alias("value"), (F.col("id") % 7 == 0).alias("_deleted"),
-    )  # fmt: skip
-    (
-        DeltaTable.forPath(spark, scratch).alias("m")
-        .merge(changes.alias("c"), "m.key = c.key")
-        .whenMatchedDelete("c._deleted")
-        .whenMatchedUpdate(set={"value": "c.value", "_cdc_applied_at": "current_timestamp()"})
-        .whenNotMatchedInsert("not c._deleted", values={"key": "c.key", "value": "c.value",
-                                                        "_cdc_applied_at": "current_timestamp()"})
-        .execute()
-    )  # fmt: skip
-    spark.read.format("delta").load(scratch).agg(F.count("*"), F.max("key")).collect()
-    loaded = 0
-    for name in table_names:
-        mirror = lake.table(name).mirror
-        if DeltaTable.isDeltaTable(spark, mirror):
-            DeltaTable.forPath(spark, mirror).toDF().schema  # noqa: B018 - reads the log into the driver's cache
-            loaded += 1
-    return WarmUp(seconds=time.monotonic() - started, mirrors_loaded=loaded)
+
+def rehearse_batch(
+    spark: SparkSession,
+    scratch: LakePath,
+    paths: TablePaths,
+    fields: Sequence[T.StructField],
+    key_columns: Sequence[str],
+) -> bool:
+    """Apply the changelog's latest changes of one table to a scratch changelog and mirror twice (the first time the
+    scratch mirror is empty: inserts; the second, matched rows), and read the real mirror's log. False when the
+    table has no changelog yet."""
+    changes = latest_changes(spark, paths.changelog)
+    if changes is None:
+        return False
+    changes = changes.cache()
+    try:
+        changes.count()
+        unchanged = {name for row in changes.select("_cdc_unchanged").distinct().collect() for name in row[0] or []}
+        position = last_applied_position(spark, paths.changelog)
+        append_changelog(spark, str(scratch / "changelog"), changes, position)
+        for _ in range(2):
+            apply_changes(spark, str(scratch / "mirror"), changes, fields, key_columns, unchanged)
+    finally:
+        changes.unpersist()
+    if DeltaTable.isDeltaTable(spark, paths.mirror):
+        DeltaTable.forPath(spark, paths.mirror).toDF().schema  # noqa: B018 - reads the log into the driver's cache
+    return True
+
+
+def timed(started: float, warm: WarmUp) -> WarmUp:
+    warm.seconds = time.monotonic() - started
+    return warm

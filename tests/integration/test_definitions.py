@@ -266,11 +266,15 @@ def test_a_stream_run_whose_pool_is_held_warms_its_driver_and_streams_once_the_p
     path, admin_dsn = config_path
     defs = build_definitions(path)
     stream_asset = next(a for a in defs.assets if stream_asset_key("defs") in a.keys)
-    with psycopg.connect(f"{admin_dsn} dbname={DATABASE}", autocommit=True) as admin:
-        admin.execute("insert into pairs values (4000, 'while the pool is held', 0, 'z')")
+    dsn = f"{admin_dsn} dbname={DATABASE}"
+    with psycopg.connect(dsn, autocommit=True) as admin:
+        admin.execute("insert into pairs values (4000, 'a batch to rehearse', 0, 'z')")
     pool = lake_pool("defs")
     freed: list[float] = []
     with instance_for_test(overrides={"concurrency": {"pools": {"default_limit": 1}}}) as instance:
+        assert materialize([stream_asset], resources=defs.resources, instance=instance).success  # the pool free
+        with psycopg.connect(dsn, autocommit=True) as admin:
+            admin.execute("insert into pairs values (4002, 'while the pool is held', 0, 'z')")
         instance.event_log_storage.initialize_concurrency_limit_to_default(pool)  # as a run's executor does
         assert instance.event_log_storage.claim_concurrency_slot(pool, "predecessor", "stream").is_claimed
 
@@ -289,7 +293,9 @@ def test_a_stream_run_whose_pool_is_held_warms_its_driver_and_streams_once_the_p
         freeing.join()
         assert result.success and freed, freed
         messages = [entry.message for entry in instance.all_logs(result.run_id)]
-        assert any("driver warmed in" in m and "holds the lake-write pool" in m for m in messages), messages
+        warmed = [m for m in messages if "driver warmed in" in m and "holds the lake-write pool" in m]
+        assert warmed and "rehearsed on scratch tables for public.pairs" in warmed[0], messages
+        assert not any("warm-up of table" in m for m in messages), messages  # no rehearsal failed
         batches = instance.get_records_for_run(result.run_id, of_type=DagsterEventType.ASSET_MATERIALIZATION).records
         assert batches and min(record.event_log_entry.timestamp for record in batches) >= freed[0]
         assert not (SourceLake(path.parent / "lake", "defs").control / "warm_up" / result.run_id).exists()

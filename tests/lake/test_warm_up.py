@@ -1,32 +1,65 @@
-"""The warm-up of a successor stream run's driver (``cdc_assets.lake.warm_up``): it leaves nothing behind in the lake
-but a live run's scratch folder, reads the existing mirrors' logs, and writes no mirror."""
+"""The warm-up of a successor stream run's driver (``cdc_assets.lake.warm_up``): it rehearses a table's latest batch
+on scratch tables with the pipeline's own code, leaves nothing behind in the lake but a live run's scratch folder, and
+writes no mirror or changelog."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from pyspark.sql import SparkSession
-from pyspark.sql import types as T
 
 from cdc_assets.lake.layout import SourceLake
-from cdc_assets.lake.mirror import ensure_mirror
-from cdc_assets.lake.warm_up import warm_up_driver
+from cdc_assets.lake.mirror import USER_METADATA, append_changelog, apply_changes
+from cdc_assets.lake.warm_up import rehearse_batch, scratch_folder
+from cdc_assets.sources.postgres.pg_values import spark_schema
+from tests.lake.test_mirror_merge import CHANGES, COLUMNS
+
+FIELDS = spark_schema(COLUMNS).fields
 
 
-def test_the_warm_up_merges_into_a_scratch_table_it_removes_and_only_reads_the_mirrors(
+def commit_batch(spark: SparkSession, lake: SourceLake, position: int, changes: list[tuple]) -> None:
+    """One stream batch of ``public.items`` as the pipeline commits it: changelog append, then the mirror's MERGE."""
+    paths = lake.table("public.items")
+    frame = spark.createDataFrame(changes, CHANGES)
+    spark.conf.set(USER_METADATA, json.dumps({"position": position}))
+    try:
+        append_changelog(spark, paths.changelog, frame, position)
+        apply_changes(spark, paths.mirror, frame, FIELDS, ["id"], set())
+    finally:
+        spark.conf.unset(USER_METADATA)
+
+
+def versions(path: str) -> list[str]:
+    return sorted(p.name for p in (Path(path) / "_delta_log").glob("*.json"))
+
+
+def test_a_tables_latest_batch_is_rehearsed_on_scratch_tables_that_are_removed_and_nothing_else_is_written(
     spark: SparkSession, tmp_path: Path
 ) -> None:
     lake = SourceLake(tmp_path, "demo")
-    mirror = lake.table("public.items").mirror
-    ensure_mirror(spark, mirror, [T.StructField("id", T.LongType())], key_columns=["id"])
-    versions_before = sorted(p.name for p in (Path(mirror) / "_delta_log").glob("*.json"))
-    scratch = Path(str(lake.control)) / "warm_up"
-    (scratch / "killed-run" / "_delta_log").mkdir(parents=True)  # left by a run killed while it warmed
-    (scratch / "live-run" / "_delta_log").mkdir(parents=True)  # another run warming now
+    paths = lake.table("public.items")
+    commit_batch(spark, lake, 5, [("c", 5, i, None, [], (i, f"first {i}", None), None) for i in range(3)])
+    latest = [
+        ("u", 9, 0, None, [], (1, "updated", None), None),
+        ("d", 9, 1, None, [], None, (2, None, None)),
+        ("c", 9, 2, None, [], (7, "inserted", None), None),
+    ]
+    commit_batch(spark, lake, 9, latest)
+    before = versions(paths.mirror), versions(paths.changelog)
+    warm_up_folder = Path(str(lake.control)) / "warm_up"
+    (warm_up_folder / "killed-run" / "_delta_log").mkdir(parents=True)  # left by a run killed while it warmed
+    (warm_up_folder / "live-run" / "_delta_log").mkdir(parents=True)  # another run warming now
 
-    warm = warm_up_driver(spark, lake, ["public.items", "public.not_created_yet"], "this-run", {"live-run"})
+    with scratch_folder(lake, "this-run", {"live-run"}) as scratch:
+        assert sorted(p.name for p in warm_up_folder.iterdir()) == ["live-run"]
+        assert rehearse_batch(spark, scratch / "0", paths, FIELDS, ["id"])
+        rehearsed = spark.read.format("delta").load(str(scratch / "0" / "mirror"))
+        assert sorted((r["id"], r["note"]) for r in rehearsed.collect()) == [(1, "updated"), (7, "inserted")]
+        assert spark.read.format("delta").load(str(scratch / "0" / "changelog")).count() == 3  # the latest batch
+        assert not rehearse_batch(spark, scratch / "1", lake.table("public.not_written"), FIELDS, ["id"])
 
-    assert warm.mirrors_loaded == 1 and warm.seconds > 0, warm
-    assert sorted(p.name for p in scratch.iterdir()) == ["live-run"]
-    assert sorted(p.name for p in (Path(mirror) / "_delta_log").glob("*.json")) == versions_before
-    assert not Path(lake.table("public.not_created_yet").mirror).exists()
+    assert sorted(p.name for p in warm_up_folder.iterdir()) == ["live-run"]
+    assert (versions(paths.mirror), versions(paths.changelog)) == before
+    mirror = spark.read.format("delta").load(paths.mirror)
+    assert sorted((r["id"], r["note"]) for r in mirror.collect()) == [(0, "first 0"), (1, "updated"), (7, "inserted")]
