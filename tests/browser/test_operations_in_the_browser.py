@@ -449,8 +449,12 @@ def test_a_stream_run_killed_by_sigkill_fails_and_the_next_one_gets_its_pool_slo
             lambda: [r for r in instance.get_runs(after, limit=5) if r.run_id != killed.run_id],
             300,
         )
-        pool = instance.event_log_storage.get_concurrency_info(f"cdc_lake_writes_{SOURCE}")
-        assert killed.run_id not in {slot.run_id for slot in pool.claimed_slots}, pool
+
+        def slot_freed() -> bool:  # the next run may start first: its warm-up then waits for this slot
+            pool = instance.event_log_storage.get_concurrency_info(f"cdc_lake_writes_{SOURCE}")
+            return killed.run_id not in {slot.run_id for slot in pool.claimed_slots}
+
+        wait_for("the killed run's slot in the lake-write pool freed", slot_freed, 120)
     page.goto(f"{dagster_ui.url}/runs/{killed.run_id}")
     expect(page.get_by_text(re.compile(r"terminated by signal 9 \(SIGKILL\)")).first).to_be_visible(
         timeout=UI_TIMEOUT_MS
