@@ -452,13 +452,19 @@ def _warm_up_while_the_pool_is_held(context: OpExecutionContext, source: SourceC
     if not held_by:
         return
     active = context.instance.get_run_records(RunsFilter(statuses=ACTIVE_RUN_STATUSES))
-    warm = cdc.pipeline(source.name).warm_up(spark, run_id, {record.dagster_run.run_id for record in active})
-    context.instance.add_run_tags(run_id, {READY_TAG: "true"})
-    context.log.info(
-        f"driver warmed in {warm.seconds:.1f} s (a batch rehearsed on scratch tables for "
-        f"{', '.join(warm.rehearsed) or 'no table: none has a changelog yet'}) while run {', '.join(sorted(held_by))} "
-        f"holds the lake-write pool {pool}: waiting for it, ready to take over"
-    )
+    live = {record.dagster_run.run_id for record in active}
+    warm = cdc.pipeline(source.name).warm_up(spark, run_id, live, lambda: bool(holders()))
+    rehearsed = ", ".join(warm.rehearsed) or "no table"
+    if warm.stopped:  # the run in flight ended first: the stream goes on now, not after the rest of a warm-up
+        context.log.info(
+            f"warm-up stopped after {warm.seconds:.1f} s (rehearsed: {rehearsed}): the lake-write pool {pool} is free"
+        )
+    else:
+        context.instance.add_run_tags(run_id, {READY_TAG: "true"})
+        context.log.info(
+            f"driver warmed in {warm.seconds:.1f} s (a batch rehearsed on scratch tables for {rehearsed}) while run "
+            f"{', '.join(sorted(held_by))} holds the lake-write pool {pool}: waiting for it, ready to take over"
+        )
     for table, error in warm.failed.items():
         context.log.warning(f"warm-up of table {table} failed, the first batch will be slower: {error}")
     waited = time.monotonic()

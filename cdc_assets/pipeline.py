@@ -60,7 +60,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -386,11 +386,15 @@ class CdcPipeline(Generic[TableT]):
 
     # -- a successor stream run's driver, warmed while its predecessor streams -----------------------------------
     def warm_up(
-        self, spark: SparkSession, run_id: str, live_run_ids: set[str], max_tables: int = WARM_UP_TABLES
-    ) -> WarmUp:
+        self, spark: SparkSession, run_id: str, live_run_ids: set[str], still_waiting: Callable[[], bool],
+        max_tables: int = WARM_UP_TABLES,
+    ) -> WarmUp:  # fmt: skip
         """Rehearse the latest batch of the tables whose changelogs were written last (at most ``max_tables``) on
-        scratch tables (``cdc_assets.lake.warm_up``: same code, same columns). A table whose rehearsal fails is named
-        in the result, not raised: a warm-up only saves time, and the batch then meets the error itself."""
+        scratch tables (``cdc_assets.lake.warm_up``: same code, same columns), and stop as soon as
+        ``still_waiting()`` is False (the run in flight ended: a warm-up must never hold the stream back; in the demo
+        on 2026-12-05 a warm-up of four tables under load took 92 s, past its 60-second lead). A table whose
+        rehearsal fails is named in the result, not raised: a warm-up only saves time, and the batch then meets the
+        error itself."""
         started = time.monotonic()
         warm = WarmUp()
 
@@ -403,14 +407,17 @@ class CdcPipeline(Generic[TableT]):
             for index, (when, name) in enumerate(written[:max_tables]):
                 if not when:
                     continue
+                if not still_waiting():
+                    break
                 table = self.tables[name]
                 try:
                     fields = self.dialect.spark_fields(table)
                     paths = self.lake.table(name)
-                    if rehearse_batch(spark, scratch / str(index), paths, fields, table.key_columns):
+                    if rehearse_batch(spark, scratch / str(index), paths, fields, table.key_columns, still_waiting):
                         warm.rehearsed.append(name)
                 except Exception as error:  # named in the run's log by the caller
                     warm.failed[name] = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+        warm.stopped = not still_waiting()
         return timed(started, warm)
 
     # -- streaming -------------------------------------------------------------------------------------------

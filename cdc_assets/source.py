@@ -48,7 +48,7 @@ engine (chunks, watermark windows, reconciliation, offsets) and the lake code ar
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol, TypeVar
 
@@ -198,7 +198,9 @@ class CdcSource(Protocol[TableT]):
 
     def stream_batch(self, spark: SparkSession, recorded: Mapping[str, object] | None, run_id: str) -> StreamReport: ...
 
-    def warm_up(self, spark: SparkSession, run_id: str, live_run_ids: set[str]) -> WarmUp: ...
+    def warm_up(
+        self, spark: SparkSession, run_id: str, live_run_ids: set[str], still_waiting: Callable[[], bool]
+    ) -> WarmUp: ...
 
     def acknowledge(self, offset: Mapping[str, object]) -> int: ...
 

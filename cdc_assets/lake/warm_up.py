@@ -16,7 +16,7 @@ mirrors' and changelogs' Delta logs and the changelogs' latest rows; never write
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -37,6 +37,7 @@ class WarmUp:
     seconds: float = 0.0
     rehearsed: list[str] = field(default_factory=list)
     failed: dict[str, str] = field(default_factory=dict)  # table -> error: a warm-up never fails the run
+    stopped: bool = False  # the pool became free before the warm-up ended: the stream went on at once
 
 
 @contextmanager
@@ -67,10 +68,12 @@ def rehearse_batch(
     paths: TablePaths,
     fields: Sequence[T.StructField],
     key_columns: Sequence[str],
+    still_waiting: Callable[[], bool] = lambda: True,
 ) -> bool:
     """Apply the changelog's latest changes of one table to a scratch changelog and mirror twice (the first time the
     scratch mirror is empty: inserts; the second, matched rows), and read the real mirror's log. False when the
-    table has no changelog yet."""
+    table has no changelog yet. Between its steps it stops as soon as ``still_waiting()`` is False (the pool is free:
+    the stream must not wait for a warm-up)."""
     changes = latest_changes(spark, paths.changelog)
     if changes is None:
         return False
@@ -79,8 +82,12 @@ def rehearse_batch(
         changes.count()
         unchanged = {name for row in changes.select("_cdc_unchanged").distinct().collect() for name in row[0] or []}
         position = last_applied_position(spark, paths.changelog)
+        if not still_waiting():
+            return False
         append_changelog(spark, str(scratch / "changelog"), changes, position)
         for _ in range(2):
+            if not still_waiting():
+                return False
             apply_changes(spark, str(scratch / "mirror"), changes, fields, key_columns, unchanged)
     finally:
         changes.unpersist()

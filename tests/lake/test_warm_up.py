@@ -63,3 +63,14 @@ def test_a_tables_latest_batch_is_rehearsed_on_scratch_tables_that_are_removed_a
     assert (versions(paths.mirror), versions(paths.changelog)) == before
     mirror = spark.read.format("delta").load(paths.mirror)
     assert sorted((r["id"], r["note"]) for r in mirror.collect()) == [(0, "first 0"), (1, "updated"), (7, "inserted")]
+
+
+def test_a_rehearsal_stops_between_its_steps_once_the_pool_is_free(spark: SparkSession, tmp_path: Path) -> None:
+    lake = SourceLake(tmp_path, "demo")
+    commit_batch(spark, lake, 5, [("c", 5, i, None, [], (i, f"first {i}", None), None) for i in range(3)])
+    checks = iter([True, False])  # waiting at the changelog append, free before the first MERGE
+    with scratch_folder(lake, "this-run", set()) as scratch:
+        paths = lake.table("public.items")
+        assert not rehearse_batch(spark, scratch / "0", paths, FIELDS, ["id"], lambda: next(checks))
+        rehearsal = Path(str(scratch)) / "0"
+        assert (rehearsal / "changelog").exists() and not (rehearsal / "mirror").exists()
