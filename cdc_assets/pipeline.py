@@ -98,7 +98,7 @@ from cdc_assets.lake.files import LakePath
 from cdc_assets.lake.layout import SourceLake
 from cdc_assets.lake.mirror import USER_METADATA, StagedRowsMismatch, append_changelog, apply_changes, reconcile
 from cdc_assets.lake.spark import DRIVER_MEMORY, big_batch_conf, default_driver_memory, driver_process, session_conf
-from cdc_assets.lake.warm_up import WarmUp, rehearse_batch, scratch_folder, timed
+from cdc_assets.lake.warm_up import WarmUp, rehearse_batch, scratch_folder
 from cdc_assets.lake.watermark_window import run_window
 from cdc_assets.source import (
     CapturedTablesChanged,
@@ -418,7 +418,8 @@ class CdcPipeline(Generic[TableT]):
                 except Exception as error:  # named in the run's log by the caller
                     warm.failed[name] = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
         warm.stopped = not still_waiting()
-        return timed(started, warm)
+        warm.seconds = time.monotonic() - started
+        return warm
 
     # -- streaming -------------------------------------------------------------------------------------------
     def stream_batch(self, spark: SparkSession, recorded: Offset | None, run_id: str) -> StreamReport:

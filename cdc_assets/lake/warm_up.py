@@ -15,7 +15,6 @@ mirrors' and changelogs' Delta logs and the changelogs' latest rows; never write
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -53,13 +52,13 @@ def scratch_folder(lake: SourceLake, run_id: str, live_run_ids: set[str]) -> Ite
         (folder / run_id).rmtree()
 
 
-def latest_changes(spark: SparkSession, changelog: str, rows: int = REHEARSAL_ROWS) -> DataFrame | None:
-    """Up to ``rows`` changes of the changelog's latest batch (its files found from the position statistics), or
-    None when there is no changelog yet."""
+def latest_changes(spark: SparkSession, changelog: str, rows: int = REHEARSAL_ROWS) -> tuple[int, DataFrame] | None:
+    """The changelog's latest batch position and up to ``rows`` of its changes (their files found from the position
+    statistics), or None when there is no changelog yet."""
     position = last_applied_position(spark, changelog)
     if position is None:
         return None
-    return spark.read.format("delta").load(changelog).where(F.col("_cdc_position") == position).limit(rows)
+    return position, spark.read.format("delta").load(changelog).where(F.col("_cdc_position") == position).limit(rows)
 
 
 def rehearse_batch(
@@ -74,14 +73,13 @@ def rehearse_batch(
     scratch mirror is empty: inserts; the second, matched rows), and read the real mirror's log. False when the
     table has no changelog yet. Between its steps it stops as soon as ``still_waiting()`` is False (the pool is free:
     the stream must not wait for a warm-up)."""
-    changes = latest_changes(spark, paths.changelog)
-    if changes is None:
+    latest = latest_changes(spark, paths.changelog)
+    if latest is None:
         return False
-    changes = changes.cache()
+    position, changes = latest[0], latest[1].cache()
     try:
         changes.count()
         unchanged = {name for row in changes.select("_cdc_unchanged").distinct().collect() for name in row[0] or []}
-        position = last_applied_position(spark, paths.changelog)
         if not still_waiting():
             return False
         append_changelog(spark, str(scratch / "changelog"), changes, position)
@@ -94,8 +92,3 @@ def rehearse_batch(
     if DeltaTable.isDeltaTable(spark, paths.mirror):
         DeltaTable.forPath(spark, paths.mirror).toDF().schema  # noqa: B018 - reads the log into the driver's cache
     return True
-
-
-def timed(started: float, warm: WarmUp) -> WarmUp:
-    warm.seconds = time.monotonic() - started
-    return warm
