@@ -268,12 +268,14 @@ def test_a_stream_run_whose_pool_is_held_warms_its_driver_and_streams_once_the_p
     stream_asset = next(a for a in defs.assets if stream_asset_key("defs") in a.keys)
     dsn = f"{admin_dsn} dbname={DATABASE}"
     with psycopg.connect(dsn, autocommit=True) as admin:
+        admin.execute("set synchronous_commit = on")  # the server's is off: a batch reads flushed WAL only
         admin.execute("insert into pairs values (4000, 'a batch to rehearse', 0, 'z')")
     pool = lake_pool("defs")
     freed: list[float] = []
     with instance_for_test(overrides={"concurrency": {"pools": {"default_limit": 1}}}) as instance:
         assert materialize([stream_asset], resources=defs.resources, instance=instance).success  # the pool free
         with psycopg.connect(dsn, autocommit=True) as admin:
+            admin.execute("set synchronous_commit = on")
             admin.execute("insert into pairs values (4002, 'while the pool is held', 0, 'z')")
         instance.event_log_storage.initialize_concurrency_limit_to_default(pool)  # as a run's executor does
         assert instance.event_log_storage.claim_concurrency_slot(pool, "predecessor", "stream").is_claimed
@@ -306,6 +308,7 @@ def test_the_stream_sensor_requests_a_successor_within_the_handoff_lead_of_the_r
     defs = build_definitions(long_lived_config(path, 600))  # handoff_seconds 60 by default
     sensor = defs.resolve_sensor_def("defs_stream_sensor")
     with psycopg.connect(f"{admin_dsn} dbname={DATABASE}", autocommit=True) as admin:
+        admin.execute("set synchronous_commit = on")  # the server's is off: the peek reads flushed WAL only
         admin.execute("insert into pairs values (4001, 'pending', 0, 'z')")  # work for the stream
     reasons = []
     for ends_in in (300, 30):
