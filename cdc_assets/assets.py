@@ -325,7 +325,7 @@ def skipped_table_evaluation(source: SourceConfig, skipped: SkippedTableLike) ->
     }
 
 
-def build_stream_asset(source: SourceConfig, table_names: list[str]) -> AssetsDefinition:
+def build_stream_asset(source: SourceConfig) -> AssetsDefinition:
     """The stream asset: two steps in the run's one process (``in_process_executor``). ``warm_up`` starts the Spark
     driver outside the source's lake-write pool and, when another run holds the pool (the predecessor a successor was
     requested for, ``sensors.stream``), warms it and waits there; ``batches`` then holds the pool and streams."""

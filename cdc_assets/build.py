@@ -76,7 +76,7 @@ def build_definitions(config_path: str | os.PathLike[str]) -> Definitions:
         checks += [build_consistency_check(source, name) for name in names]
         check_jobs = {name: build_chunk_check_job(source.name, name) for name in names}
         jobs += check_jobs.values()
-        assets.append(build_stream_asset(source, names))
+        assets.append(build_stream_asset(source))
         checks.append(build_lag_check(source))
         stream_job = define_asset_job(stream_job_name(source.name), selection=[stream_asset_key(source.name)])
         jobs += [stream_job, build_change_offset_job(source.name), build_snapshot_rows_job(source)]
