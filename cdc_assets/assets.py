@@ -335,7 +335,7 @@ def build_stream_asset(source: SourceConfig) -> AssetsDefinition:
         required_resource_keys={"cdc"},
         out=Out(Nothing),
         description="Starts the run's Spark driver; while another run holds the lake-write pool, warms the driver "
-        "(a batch of each table rehearsed on scratch tables, cdc_assets.lake.warm_up), tags this run "
+        "(a batch of each table rehearsed on shallow clones of its tables, cdc_assets.lake.warm_up), tags this run "
         f"{READY_TAG}=true and waits for the pool to be free.",
     )
     def warm_up(context: OpExecutionContext) -> None:
@@ -436,9 +436,9 @@ def build_stream_asset(source: SourceConfig) -> AssetsDefinition:
 
 def _warm_up_while_the_pool_is_held(context: OpExecutionContext, source: SourceConfig) -> None:
     """Start the driver; while another run holds the source's lake-write pool, warm it once (``CdcSource.warm_up``:
-    each table's latest batch rehearsed on scratch tables), say so in a run tag the run holding the pool looks for
-    (``_another_run_needs_the_pool``), and wait until the pool is free. With the pool free at once (no run in
-    flight), the first batch starts without a warm-up."""
+    each table's latest batch rehearsed on shallow clones of its changelog and mirror), say so in a run tag the run
+    holding the pool looks for (``_another_run_needs_the_pool``), and wait until the pool is free. With the pool free
+    at once (no run in flight), the first batch starts without a warm-up."""
     cdc = context.resources.cdc
     spark = cdc.spark()  # the run's one process keeps it for the batches step
     run_id = context.run.run_id
@@ -462,8 +462,9 @@ def _warm_up_while_the_pool_is_held(context: OpExecutionContext, source: SourceC
     else:
         context.instance.add_run_tags(run_id, {READY_TAG: "true"})
         context.log.info(
-            f"driver warmed in {warm.seconds:.1f} s (a batch rehearsed on scratch tables for {rehearsed}) while run "
-            f"{', '.join(sorted(held_by))} holds the lake-write pool {pool}: waiting for it, ready to take over"
+            f"driver warmed in {warm.seconds:.1f} s (a batch rehearsed on shallow clones of the tables of {rehearsed}) "
+            f"while run {', '.join(sorted(held_by))} holds the lake-write pool {pool}: waiting for it, ready to take "
+            "over"
         )
     for table, error in warm.failed.items():
         context.log.warning(f"warm-up of table {table} failed, the first batch will be slower: {error}")

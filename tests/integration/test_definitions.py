@@ -296,7 +296,7 @@ def test_a_stream_run_whose_pool_is_held_warms_its_driver_and_streams_once_the_p
         assert result.success and freed, freed
         messages = [entry.message for entry in instance.all_logs(result.run_id)]
         warmed = [m for m in messages if "driver warmed in" in m and "holds the lake-write pool" in m]
-        assert warmed and "rehearsed on scratch tables for public.pairs" in warmed[0], messages
+        assert warmed and "rehearsed on shallow clones of the tables of public.pairs" in warmed[0], messages
         assert not any("warm-up of table" in m for m in messages), messages  # no rehearsal failed
         batches = instance.get_records_for_run(result.run_id, of_type=DagsterEventType.ASSET_MATERIALIZATION).records
         assert batches and min(record.event_log_entry.timestamp for record in batches) >= freed[0]
