@@ -652,7 +652,8 @@ def _next_batch_due(context: OpExecutionContext, pipeline: CdcSource, source: So
 def _another_run_needs_the_pool(context: OpExecutionContext, source_name: str) -> bool:
     """Whether another active run needs this source's lake-write pool: its offset job, its snapshot_rows job, or
     another stream run once that one's driver is warm (``READY_TAG``; a successor still starting does not end this
-    run: its first batch would wait for its driver instead)."""
+    run: its first batch would wait for its driver instead). A stream run is one of the source's stream job (what the
+    streaming sensor launches: its runs carry no asset selection) or one whose asset selection holds the stream."""
     stream_key = stream_asset_key(source_name)
     for record in context.instance.get_run_records(RunsFilter(statuses=ACTIVE_RUN_STATUSES)):
         run = record.dagster_run
@@ -660,7 +661,8 @@ def _another_run_needs_the_pool(context: OpExecutionContext, source_name: str) -
             continue
         if run.job_name in (change_offset_job_name(source_name), snapshot_rows_job_name(source_name)):
             return True
-        if stream_key in (run.asset_selection or set()) and run.tags.get(READY_TAG) == "true":
+        streams = run.job_name == stream_job_name(source_name) or stream_key in (run.asset_selection or set())
+        if streams and run.tags.get(READY_TAG) == "true":
             return True
     return False
 
