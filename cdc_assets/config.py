@@ -209,8 +209,10 @@ class StreamConfig:
     # a successor stream run is requested this long before the run in flight reaches ``run_seconds`` (at most half of
     # ``run_seconds``; 0: none before the run ends): it starts its Spark driver and warms it outside the lake-write
     # pool, and the run in flight ends after its current batch as soon as the successor is warm, so the first batch
-    # of the next run does not pay a driver start and a cold JVM's MERGE (7.6 s against 1.4 s warm, bench.freshness)
-    handoff_seconds: int = 60
+    # of the next run does not pay a driver start and a cold JVM's MERGE (7.6 s against 1.4 s warm, bench.freshness).
+    # 120: the warm-up of one table took 41.6 s beside a predecessor streaming 1k changes/s on 2 cores (2026-12-05),
+    # and a warm-up unfinished when the predecessor ends stops half done; waiting longer costs an idle process
+    handoff_seconds: int = 120
     # lake upkeep between stream batches (cdc_assets.lake.maintenance), each step at most this often (0: never; then
     # run it yourself): staged rows of finished snapshots dropped and tables compacted; files no longer referenced
     # deleted from storage (VACUUM)

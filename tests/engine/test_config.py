@@ -135,10 +135,10 @@ def test_a_stream_runs_bound_in_flight_is_its_handoff_lead_run_seconds_and_overr
 
     default = parse(BASE).source("demo").stream
     assert (default.run_seconds, default.max_overrun_seconds, default.max_runtime_seconds) == (0, 1800, 1800)
-    assert (default.handoff_seconds, default.handoff_lead_seconds) == (60, 0)  # one batch per run: no successor early
+    assert (default.handoff_seconds, default.handoff_lead_seconds) == (120, 0)  # one batch per run: no successor early
     long_lived = parse(with_stream({"run_seconds": 600, "max_overrun_seconds": 300})).source("demo").stream
-    assert long_lived.handoff_lead_seconds == 60
-    assert long_lived.max_runtime_seconds == 960  # a successor waits up to its lead for the pool
+    assert long_lived.handoff_lead_seconds == 120
+    assert long_lived.max_runtime_seconds == 1020  # a successor waits up to its lead for the pool
     short = parse(with_stream({"run_seconds": 30, "handoff_seconds": 60})).source("demo").stream
     assert short.handoff_lead_seconds == 15  # at most half of run_seconds
     no_handoff = parse(with_stream({"run_seconds": 600, "handoff_seconds": 0})).source("demo").stream
@@ -147,7 +147,7 @@ def test_a_stream_runs_bound_in_flight_is_its_handoff_lead_run_seconds_and_overr
         parse(with_stream({"handoff_seconds": -1}))
     assert stream_run_tags(long_lived, "slot holds changes") == {
         "cdc/reason": "slot holds changes",
-        MAX_RUNTIME_TAG: "960",
+        MAX_RUNTIME_TAG: "1020",
         PRIORITY_TAG: "1",  # before snapshot (0) and sweep (-1) runs in the queue
     }
     unbounded = parse(with_stream({"run_seconds": 600, "max_overrun_seconds": 0})).source("demo").stream

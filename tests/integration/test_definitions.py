@@ -306,7 +306,7 @@ def test_a_stream_run_whose_pool_is_held_warms_its_driver_and_streams_once_the_p
 
 def test_the_stream_sensor_requests_a_successor_within_the_handoff_lead_of_the_runs_end(config_path) -> None:
     path, admin_dsn = config_path
-    defs = build_definitions(long_lived_config(path, 600))  # handoff_seconds 60 by default
+    defs = build_definitions(long_lived_config(path, 600))  # handoff_seconds 120 by default
     sensor = defs.resolve_sensor_def("defs_stream_sensor")
     with psycopg.connect(f"{admin_dsn} dbname={DATABASE}", autocommit=True) as admin:
         admin.execute("set synchronous_commit = on")  # the server's is off: the peek reads flushed WAL only
