@@ -391,11 +391,10 @@ class CdcPipeline(Generic[TableT]):
     ) -> WarmUp:  # fmt: skip
         """Rehearse the latest batch of the tables whose changelogs were written last (at most ``max_tables``) on
         shallow clones of their changelogs and mirrors (``cdc_assets.lake.warm_up``: same code, same columns, the
-        real tables' state and files), and stop as soon as
-        ``still_waiting()`` is False (the run in flight ended: a warm-up must never hold the stream back; in the demo
-        on 2026-12-05 a warm-up of four tables under load took 92 s, past its 60-second lead). A table whose
-        rehearsal fails is named in the result, not raised: a warm-up only saves time, and the batch then meets the
-        error itself."""
+        real tables' state and files), and stop as soon as ``still_waiting()`` is False (the run in flight ended: a
+        warm-up must never hold the stream back; in the demo on 2026-12-05 a warm-up of four tables under load took
+        92 s, past its then 60-second lead). A table whose rehearsal fails is named in the result, not raised: a
+        warm-up only saves time, and the batch then meets the error itself."""
         started = time.monotonic()
         warm = WarmUp()
 
