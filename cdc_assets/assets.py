@@ -63,6 +63,7 @@ from cdc_assets.source import CdcSource, SkippedTableLike, SourceLag, StreamRepo
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
 
+    from cdc_assets.lake.warm_up import WarmUp
     from cdc_assets.source import ChunkCheck
 
 CHUNK_CHECK_NAME = "chunk_matches_source"
@@ -453,14 +454,33 @@ def _warm_up_while_the_pool_is_held(context: OpExecutionContext, source: SourceC
         return
     active = context.instance.get_run_records(RunsFilter(statuses=ACTIVE_RUN_STATUSES))
     live = {record.dagster_run.run_id for record in active}
-    warm = cdc.pipeline(source.name).warm_up(spark, run_id, live, lambda: bool(holders()))
+    try:
+        warm = cdc.pipeline(source.name).warm_up(spark, run_id, live, lambda: bool(holders()))
+    except Exception as error:  # the source's tables not listed (a server not answering): the batches step retries
+        cause = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        context.log.warning(
+            f"warm-up not done ({type(error).__name__}: {cause}); this run is not marked ready, so run "
+            f"{', '.join(sorted(held_by))} streams on to its end, then this one streams with a cold driver (its "
+            "batches step retries what failed here)"
+        )
+        warm = None
+    if warm is not None:
+        _report_warm_up(context, warm, pool, held_by)
+    waited = time.monotonic()
+    while holders():
+        time.sleep(HANDOFF_POLL_SECONDS)
+    context.log.info(f"the lake-write pool {pool} is free after {time.monotonic() - waited:.1f} s: streaming")
+
+
+def _report_warm_up(context: OpExecutionContext, warm: "WarmUp", pool: str, held_by: set[str]) -> None:
+    """Log how the warm-up went; a warm-up that ran to its end tags the run ready (``READY_TAG``)."""
     rehearsed = ", ".join(warm.rehearsed) or "no table"
     if warm.stopped:  # the run in flight ended first: the stream goes on now, not after the rest of a warm-up
         context.log.info(
             f"warm-up stopped after {warm.seconds:.1f} s (rehearsed: {rehearsed}): the lake-write pool {pool} is free"
         )
     else:
-        context.instance.add_run_tags(run_id, {READY_TAG: "true"})
+        context.instance.add_run_tags(context.run.run_id, {READY_TAG: "true"})
         context.log.info(
             f"driver warmed in {warm.seconds:.1f} s (a batch rehearsed on shallow clones of the tables of {rehearsed}) "
             f"while run {', '.join(sorted(held_by))} holds the lake-write pool {pool}: waiting for it, ready to take "
@@ -468,10 +488,6 @@ def _warm_up_while_the_pool_is_held(context: OpExecutionContext, source: SourceC
         )
     for table, error in warm.failed.items():
         context.log.warning(f"warm-up of table {table} failed, the first batch will be slower: {error}")
-    waited = time.monotonic()
-    while holders():
-        time.sleep(HANDOFF_POLL_SECONDS)
-    context.log.info(f"the lake-write pool {pool} is free after {time.monotonic() - waited:.1f} s: streaming")
 
 
 def _maintain(

@@ -30,6 +30,7 @@ from dagster import (
     materialize,
 )
 from dagster._core.instance.ref import InstanceRef
+from psycopg import sql
 
 from cdc_assets.assets import ENDS_AT_TAG, READY_TAG, lake_pool, recorded_offset, stream_asset_key
 from cdc_assets.build import build_definitions
@@ -302,6 +303,54 @@ def test_a_stream_run_whose_pool_is_held_warms_its_driver_and_streams_once_the_p
         batches = instance.get_records_for_run(result.run_id, of_type=DagsterEventType.ASSET_MATERIALIZATION).records
         assert batches and min(record.event_log_entry.timestamp for record in batches) >= freed[0]
         assert not (SourceLake(path.parent / "lake", "defs").control / "warm_up" / result.run_id).exists()
+
+
+def test_a_warm_up_that_cannot_reach_the_source_does_not_fail_the_run_which_streams_once_the_pool_is_free(
+    config_path, spark
+) -> None:
+    """A successor whose warm-up cannot list the source's tables (in the demo on 2026-12-05 the MongoDB test server
+    timed out, and the run failed in its warm-up step) logs why, is not tagged ready (its predecessor streams on to
+    its end) and waits for the pool; its batches step then streams. Here the reader role may not log in while the
+    run warms up, and may again before the pool is freed."""
+    path, admin_dsn = config_path
+    defs = build_definitions(path)
+    stream_asset = next(a for a in defs.assets if stream_asset_key("defs") in a.keys)
+    dsn = f"{admin_dsn} dbname={DATABASE}"
+    reader = sql.Identifier(f"{DATABASE}_reader")
+    with psycopg.connect(dsn, autocommit=True) as admin:
+        admin.execute("set synchronous_commit = on")  # the server's is off: a batch reads flushed WAL only
+        admin.execute("insert into pairs values (4003, 'after a failed warm-up', 0, 'z')")
+    pool = lake_pool("defs")
+    seen: list[str] = []
+    with instance_for_test(overrides={"concurrency": {"pools": {"default_limit": 1}}}) as instance:
+        instance.event_log_storage.initialize_concurrency_limit_to_default(pool)  # as a run's executor does
+        assert instance.event_log_storage.claim_concurrency_slot(pool, "predecessor", "stream").is_claimed
+
+        def free_once_warned() -> None:
+            deadline = time.monotonic() + 240
+            while time.monotonic() < deadline and not seen:
+                for run in instance.get_runs():
+                    seen.extend(e.message for e in instance.all_logs(run.run_id) if "warm-up not done" in e.message)
+                time.sleep(0.2)
+            with psycopg.connect(dsn, autocommit=True) as admin:
+                admin.execute(sql.SQL("alter role {} login").format(reader))
+            instance.event_log_storage.free_concurrency_slot_for_step("predecessor", "stream")
+
+        with psycopg.connect(dsn, autocommit=True) as admin:
+            admin.execute(sql.SQL("alter role {} nologin").format(reader))
+        freeing = threading.Thread(target=free_once_warned)
+        freeing.start()
+        try:
+            result = materialize([stream_asset], resources=defs.resources, instance=instance, raise_on_error=False)
+        finally:
+            freeing.join()
+            with psycopg.connect(dsn, autocommit=True) as admin:
+                admin.execute(sql.SQL("alter role {} login").format(reader))
+        assert seen and "is not permitted to log in" in seen[0] and "not marked ready" in seen[0], seen
+        assert result.success, [e.message for e in instance.all_logs(result.run_id)][-5:]
+        (run,) = [r for r in instance.get_runs() if r.run_id == result.run_id]
+        assert READY_TAG not in run.tags  # the predecessor was not told to hand over
+        assert instance.get_records_for_run(result.run_id, of_type=DagsterEventType.ASSET_MATERIALIZATION).records
 
 
 def test_the_stream_sensor_requests_a_successor_within_the_handoff_lead_of_the_runs_end(config_path) -> None:
