@@ -155,7 +155,7 @@ def test_snapshot_and_stream_run_on_an_instance_stored_in_postgres(
             # the pool of lake writes: one slot, held in this storage
             pool = lake_pool("dgpg")
             assert instance.get_concurrency_config().pool_config.default_pool_limit == 1
-            assert instance.get_concurrency_config().run_queue_config.max_concurrent_runs == 3
+            assert instance.get_concurrency_config().run_queue_config.max_concurrent_runs == 5
             storage = instance.event_log_storage
             assert storage.get_concurrency_info(pool).slot_count == 1  # set up by the stream runs' step
             assert storage.claim_concurrency_slot(pool, "run-a", "write").is_claimed
