@@ -163,6 +163,14 @@ def test_change_offset_validation_names_field_and_range() -> None:
     assert validate_postgres_offset("0/15", 0x10, 0x20) == parse_lsn("0/15")
 
 
+def insert_pair(dsn: str, region: int, code: str) -> None:
+    """Insert a row of ``pairs`` (key ``region``, ``code``) and commit it with ``synchronous_commit = on``: the test
+    server's is off, and a batch and the sensor's peek of the slot read flushed WAL only."""
+    with psycopg.connect(dsn, autocommit=True) as admin:
+        admin.execute("set synchronous_commit = on")
+        admin.execute("insert into pairs values (%s, %s, 0, 'z')", [region, code])
+
+
 def long_lived_config(path: Path, run_seconds: int) -> Path:
     """The module's configuration with stream runs that keep their Spark session for ``run_seconds``."""
     text = path.read_text().replace(
@@ -192,9 +200,7 @@ def test_long_lived_stream_run_records_every_batch_then_moves_the_slot(config_pa
         except BaseException as error:  # reported by the test
             errors.append(error)
 
-    with psycopg.connect(dsn, autocommit=True) as admin:
-        admin.execute("set synchronous_commit = on")
-        admin.execute("insert into pairs values (999, 'early', 0, 'z')")
+    insert_pair(dsn, 999, "early")
     writer = threading.Thread(target=write_while_the_run_lasts)
     writer.start()
     result = materialize([stream_asset], resources=defs.resources, instance=instance)
@@ -269,16 +275,12 @@ def test_a_stream_run_whose_pool_is_held_warms_its_driver_and_streams_once_the_p
     defs = build_definitions(path)
     stream_asset = next(a for a in defs.assets if stream_asset_key("defs") in a.keys)
     dsn = f"{admin_dsn} dbname={DATABASE}"
-    with psycopg.connect(dsn, autocommit=True) as admin:
-        admin.execute("set synchronous_commit = on")  # the server's is off: a batch reads flushed WAL only
-        admin.execute("insert into pairs values (4000, 'a batch to rehearse', 0, 'z')")
+    insert_pair(dsn, 4000, "a batch to rehearse")
     pool = lake_pool("defs")
     freed: list[float] = []
     with instance_for_test(overrides={"concurrency": {"pools": {"default_limit": 1}}}) as instance:
         assert materialize([stream_asset], resources=defs.resources, instance=instance).success  # the pool free
-        with psycopg.connect(dsn, autocommit=True) as admin:
-            admin.execute("set synchronous_commit = on")
-            admin.execute("insert into pairs values (4002, 'while the pool is held', 0, 'z')")
+        insert_pair(dsn, 4002, "while the pool is held")
         instance.event_log_storage.initialize_concurrency_limit_to_default(pool)  # as a run's executor does
         assert instance.event_log_storage.claim_concurrency_slot(pool, "predecessor", "stream").is_claimed
 
@@ -317,9 +319,7 @@ def test_a_warm_up_that_cannot_reach_the_source_does_not_fail_the_run_which_stre
     stream_asset = next(a for a in defs.assets if stream_asset_key("defs") in a.keys)
     dsn = f"{admin_dsn} dbname={DATABASE}"
     reader = sql.Identifier(f"{DATABASE}_reader")
-    with psycopg.connect(dsn, autocommit=True) as admin:
-        admin.execute("set synchronous_commit = on")  # the server's is off: a batch reads flushed WAL only
-        admin.execute("insert into pairs values (4003, 'after a failed warm-up', 0, 'z')")
+    insert_pair(dsn, 4003, "after a failed warm-up")
     pool = lake_pool("defs")
     seen: list[str] = []
     with instance_for_test(overrides={"concurrency": {"pools": {"default_limit": 1}}}) as instance:
@@ -357,9 +357,7 @@ def test_the_stream_sensor_requests_a_successor_within_the_handoff_lead_of_the_r
     path, admin_dsn = config_path
     defs = build_definitions(long_lived_config(path, 600))  # handoff_seconds 120 by default
     sensor = defs.resolve_sensor_def("defs_stream_sensor")
-    with psycopg.connect(f"{admin_dsn} dbname={DATABASE}", autocommit=True) as admin:
-        admin.execute("set synchronous_commit = on")  # the server's is off: the peek reads flushed WAL only
-        admin.execute("insert into pairs values (4001, 'pending', 0, 'z')")  # work for the stream
+    insert_pair(f"{admin_dsn} dbname={DATABASE}", 4001, "pending")  # work for the stream
     reasons = []
     for ends_in in (300, 30):
         with DagsterInstance.ephemeral() as instance:
