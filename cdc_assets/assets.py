@@ -57,6 +57,7 @@ from cdc_assets.engine.chunks import chunk_index, chunk_partition_key
 from cdc_assets.engine.faults import fault_point
 from cdc_assets.engine.names import dagster_part, split_qualified, table_slug
 from cdc_assets.lake.layout import UpkeepStep
+from cdc_assets.pipeline import failure_cause
 from cdc_assets.range_check import RangeCheck, check_range
 from cdc_assets.source import CdcSource, SkippedTableLike, SourceLag, StreamReport
 
@@ -457,14 +458,12 @@ def _warm_up_while_the_pool_is_held(context: OpExecutionContext, source: SourceC
     try:
         warm = cdc.pipeline(source.name).warm_up(spark, run_id, live, lambda: bool(holders()))
     except Exception as error:  # the source's tables not listed (a server not answering): the batches step retries
-        cause = str(error).strip().splitlines()[0] if str(error).strip() else ""
         context.log.warning(
-            f"warm-up not done ({type(error).__name__}: {cause}); this run is not marked ready, so run "
+            f"warm-up not done ({failure_cause(error)}); this run is not marked ready, so run "
             f"{', '.join(sorted(held_by))} streams on to its end, then this one streams with a cold driver (its "
             "batches step retries what failed here)"
         )
-        warm = None
-    if warm is not None:
+    else:
         _report_warm_up(context, warm, pool, held_by)
     waited = time.monotonic()
     while holders():

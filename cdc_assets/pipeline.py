@@ -416,7 +416,7 @@ class CdcPipeline(Generic[TableT]):
                     if rehearse_batch(spark, scratch / str(index), paths, fields, table.key_columns, still_waiting):
                         warm.rehearsed.append(name)
                 except Exception as error:  # named in the run's log by the caller
-                    warm.failed[name] = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+                    warm.failed[name] = failure_cause(error)
         warm.stopped = not still_waiting()
         warm.seconds = time.monotonic() - started
         return warm
