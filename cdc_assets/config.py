@@ -269,6 +269,12 @@ class SourceConfig:
     # planned at its first tick after "Reload definitions")
     planner_interval_seconds: int = 30
     startup_timestamp: str | None = None  # SEC or SEC:ORD, exactly with startup_mode timestamp
+    # the planner's snapshot runs: how often Dagster's daemon runs one again after it failed (its process killed, its
+    # machine lost, its step out of retries; Dagster's ``dagster/max_retries``, 0: never), and how long one may be in
+    # flight before Dagster's run monitor fails it (``dagster/max_runtime``, 0: no bound), which ends a run orphaned
+    # with its code server; it then counts as a failure and is retried
+    snapshot_run_retries: int = 3
+    snapshot_run_max_runtime_seconds: int = 21600
 
 
 @dataclass(frozen=True)
@@ -353,7 +359,7 @@ def _spark(raw: Any, environ: Any) -> SparkConfig:
 _SOURCE_KEYS = {
     "name", "kind", "connection", "slot", "publication", "startup_mode", "chunk_size", "read_parallelism",
     "chunks_per_run", "tables", "include", "exclude", "stream", "checks", "startup_timestamp",
-    "planner_interval_seconds",
+    "planner_interval_seconds", "snapshot_run_retries", "snapshot_run_max_runtime_seconds",
 }  # fmt: skip
 _MONGODB_SOURCE_KEYS = (_SOURCE_KEYS - {"slot", "publication"}) | {"mongodb"}
 
@@ -401,6 +407,16 @@ def _source(raw: Any, where: str, environ: Any) -> SourceConfig:
         chunks_per_run=_positive_int(source.get("chunks_per_run", 4), f"{where}.chunks_per_run"),
         planner_interval_seconds=_positive_int(
             source.get("planner_interval_seconds", 30), f"{where}.planner_interval_seconds"
+        ),
+        snapshot_run_retries=_positive_int(
+            source.get("snapshot_run_retries", SourceConfig.snapshot_run_retries),
+            f"{where}.snapshot_run_retries",
+            zero_is_off=True,
+        ),
+        snapshot_run_max_runtime_seconds=_positive_int(
+            source.get("snapshot_run_max_runtime_seconds", SourceConfig.snapshot_run_max_runtime_seconds),
+            f"{where}.snapshot_run_max_runtime_seconds",
+            zero_is_off=True,
         ),
         tables=tables,
         include=include,

@@ -23,6 +23,13 @@ Lost history (``SourceLake.resnapshot_markers``: the stream restarted after its 
 marker position (the cursor and the run keys ``resnapshot@<position>:...``); the stream applies no window of the
 table read before that position and removes the marker once every chunk was read after it.
 
+Failed snapshot runs: each run requested here carries ``snapshot_run_tags``: Dagster's daemon runs it again after a
+failure, up to the source's ``snapshot_run_retries`` times (``dagster/max_retries``; the instance's ``run_retries``
+must be enabled, else the planner warns when it requests runs), and its run monitor fails one still in flight after
+``snapshot_run_max_runtime_seconds`` (``dagster/max_runtime``), which ends a run orphaned with its code server (a lost
+machine): it would otherwise stay STARTED, hold a run slot and leave its chunks unread for good. Reading a chunk
+again is safe (its earlier window is superseded); a run key is still requested once.
+
 Skipped tables: every evaluation logs a warning per selected table that cannot be captured (``CdcSource.skipped``),
 names them in its skip reason, and records a failing ``table_is_captured`` check evaluation of the table's asset
 (reason and fix) when it first sees it or its reason changed. Nothing else stops for them.
@@ -53,6 +60,7 @@ from cdc_assets.config import SourceConfig
 from cdc_assets.engine.chunks import chunk_partition_key
 from cdc_assets.engine.partitions import repartition_reason
 from resources.cdc import CdcResource
+from sensors.stream import MAX_RUNTIME_TAG
 
 RANGE_START = "dagster/asset_partition_range_start"
 RANGE_END = "dagster/asset_partition_range_end"
@@ -61,6 +69,7 @@ SKIPPED_KEY = "~skipped"
 PARTITIONS_KEY = "~partitions"
 RESNAPSHOT_KEY = "~resnapshot"
 NO_SNAPSHOT_MODES = ("latest", "timestamp")
+MAX_RETRIES_TAG = "dagster/max_retries"  # read by the daemon's automatic run retries (run_retries in dagster.yaml)
 
 
 def build_planner_sensor(source_name: str, table_names: list[str], interval_seconds: int) -> SensorDefinition:
@@ -141,6 +150,12 @@ def build_planner_sensor(source_name: str, table_names: list[str], interval_seco
             if reads_tables:
                 indexes = sorted(c.index for c in plan.chunks if c.partition_key in new_keys)
                 requests += _snapshot_requests(source, name, indexes, "initial", "initial snapshot")
+        if requests and source.snapshot_run_retries and not context.instance.run_retries_enabled:
+            context.log.warning(
+                f"source {source_name}: snapshot_run_retries is {source.snapshot_run_retries}, but this Dagster "
+                "instance does not retry runs (run_retries.enabled in its dagster.yaml): a failed snapshot run stays "
+                "failed until it is re-executed"
+            )
         seen[PARTITIONS_KEY] = known_partitions
         seen[RESNAPSHOT_KEY] = {k: v for k, v in requested_resnapshots.items() if k in resnapshots}
         cursor = json.dumps(seen, sort_keys=True)
@@ -178,7 +193,19 @@ def _snapshot_requests(source: SourceConfig, name: str, indexes: list[int], kind
                 # not the chunk checks: they take one chunk each, and a freshly staged chunk is not reconciled yet
                 # (run them once the stream has passed its window)
                 asset_check_keys=[],
-                tags={RANGE_START: first, RANGE_END: last, "cdc/reason": reason[:200]},
+                tags={RANGE_START: first, RANGE_END: last, "cdc/reason": reason[:200], **snapshot_run_tags(source)},
             )
         )
     return requests
+
+
+def snapshot_run_tags(source: SourceConfig) -> dict[str, str]:
+    """Dagster's tags that retry a failed snapshot run of ``source`` and bound its time in flight:
+    ``dagster/max_retries`` (``snapshot_run_retries``) and ``dagster/max_runtime``
+    (``snapshot_run_max_runtime_seconds``), each left out when 0 (the instance's defaults then apply)."""
+    tags = {}
+    if source.snapshot_run_retries:
+        tags[MAX_RETRIES_TAG] = str(source.snapshot_run_retries)
+    if source.snapshot_run_max_runtime_seconds:
+        tags[MAX_RUNTIME_TAG] = str(source.snapshot_run_max_runtime_seconds)
+    return tags

@@ -42,7 +42,7 @@ from cdc_assets.lake.layout import SourceLake
 from cdc_assets.lake.windows import read_events
 from cdc_assets.sources.postgres.pipeline import PostgresPipeline
 from tests.browser.ui_support import ROOT, SOURCE, UI_TIMEOUT_MS, DagsterUi, screenshot
-from tests.integration.support import T, mirror_rows, source_rows
+from tests.integration.support import T, mirror_rows, run_pid, source_rows
 from tests.integration.support import wait_for as support_wait_for
 
 pytestmark = pytest.mark.timeout(1200)
@@ -293,15 +293,6 @@ def choose_backfill_action(page: Page, action: str) -> None:
     """On a backfill's page: the actions menu (the button beside its title), then ``action``."""
     page.get_by_role("button").filter(has=page.get_by_role("img", name="expand_more")).first.click()
     page.get_by_role("menuitem", name=action).click()
-
-
-def run_pid(instance, run_id: str) -> int | None:
-    """The pid of a run's process, from the engine event Dagster writes when it starts it."""
-    for entry in instance.all_logs(run_id, of_type=DagsterEventType.ENGINE_EVENT):
-        found = re.search(r"Started process for run \(pid: (\d+)\)", entry.message or "")
-        if found:
-            return int(found.group(1))
-    return None
 
 
 def wait_for(what: str, probe: Callable[[], T], timeout_seconds: float) -> T:

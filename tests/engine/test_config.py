@@ -177,3 +177,15 @@ def test_a_sources_positive_integer_settings_are_read_and_validated(key: str, de
     for bad in (0, -1, "many", 2.5):
         with pytest.raises(ConfigError, match=rf"sources\[0\]\.{key}: expected a positive integer"):
             parse({**BASE, "sources": [{**BASE["sources"][0], key: bad}]})
+
+
+@pytest.mark.parametrize(
+    ("key", "default", "value"), [("snapshot_run_retries", 3, 5), ("snapshot_run_max_runtime_seconds", 21600, 600)]
+)
+def test_a_sources_snapshot_run_bounds_are_read_and_zero_turns_them_off(key: str, default: int, value: int) -> None:
+    assert getattr(parse(BASE).source("demo"), key) == default
+    for given in (value, 0):
+        assert getattr(parse({**BASE, "sources": [{**BASE["sources"][0], key: given}]}).source("demo"), key) == given
+    for bad in (-1, "many", 2.5, True):
+        with pytest.raises(ConfigError, match=rf"sources\[0\]\.{key}: expected 0 \(off\) or a positive integer"):
+            parse({**BASE, "sources": [{**BASE["sources"][0], key: bad}]})

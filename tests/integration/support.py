@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -11,6 +12,7 @@ from pathlib import Path
 from typing import TypeVar
 
 import psycopg
+from dagster import DagsterEventType, DagsterInstance
 from psycopg import sql
 from pyspark.sql import SparkSession
 
@@ -223,3 +225,12 @@ def wait_for(
         assert time.monotonic() < deadline, f"{what}: not within {timeout_seconds} s{context()}"
         time.sleep(poll_seconds)
     return found
+
+
+def run_pid(instance: DagsterInstance, run_id: str) -> int | None:
+    """The pid of a run's process, from the engine event Dagster writes when it starts it."""
+    for entry in instance.all_logs(run_id, of_type=DagsterEventType.ENGINE_EVENT):
+        found = re.search(r"Started process for run \(pid: (\d+)\)", entry.message or "")
+        if found:
+            return int(found.group(1))
+    return None

@@ -1,6 +1,10 @@
 """A stream run orphaned by the loss of the processes that ran it (``kill -9`` of everything Dagster started, as a
 lost machine or a killed ``dagster dev``) is ended by Dagster's run monitor at its ``dagster/max_runtime`` tag, and
-the streaming sensor then launches the next run, which goes on from the recorded offset.
+the streaming sensor then launches the next run, which goes on from the recorded offset. A snapshot run orphaned with
+it (held in its read, then lost) is ended at its own ``dagster/max_runtime`` (the source's
+``snapshot_run_max_runtime_seconds``) and run again by the daemon's automatic retries (``dagster/max_retries``,
+``snapshot_run_retries``; the instance's ``run_retries``): its chunk is read and reaches the mirror. Without those
+tags it stays STARTED, holds a run slot, and its chunk is never read (the planner requests a chunk once).
 
 Real processes throughout: ``dagster-daemon run`` (sensors, run queue, run monitor, the code server it starts and
 the runs that server launches, each with its Spark driver) on a SQLite instance with the demo's ``dagster.yaml``
@@ -34,10 +38,10 @@ import yaml
 from dagster import AssetRecordsFilter, DagsterEventType, DagsterInstance, DagsterRunStatus, RunsFilter
 from dagster._core.instance.ref import InstanceRef
 
-from cdc_assets.assets import stream_asset_key
+from cdc_assets.assets import chunk_partitions, stream_asset_key, table_asset_key
 from cdc_assets.lake.spark import SHORT_LIVED_DRIVER_OPTIONS
 from sensors.stream import MAX_RUNTIME_TAG
-from tests.integration.support import PG_PORT, READER_PASSWORD, T, create_source, drop_source
+from tests.integration.support import PG_PORT, READER_PASSWORD, T, create_source, drop_source, run_pid
 from tests.integration.support import wait_for as support_wait_for
 
 DATABASE = "orphan_run"
@@ -46,6 +50,7 @@ JOB = f"{SOURCE}_stream"
 ROOT = Path(__file__).resolve().parents[2]
 RUN_SECONDS = 20
 MAX_OVERRUN_SECONDS = 10
+SNAPSHOT_MAX_RUNTIME_SECONDS = 40
 SILENT_SECONDS = 20  # the silent source's connect_timeout: how long each of its sensor's ticks waits
 INTERVAL_SECONDS = 5
 
@@ -59,7 +64,8 @@ sources:
       {{host: 127.0.0.1, port: {port}, dbname: {database}, user: {database}_reader, password: "${{ORPHAN_PW}}"}}
     slot: {database}
     publication: {database}
-    startup_mode: latest
+    startup_mode: initial
+    snapshot_run_max_runtime_seconds: {snapshot_max_runtime}
     include: ["public.pairs"]
     checks: {{cron: "off"}}
     # no successor before the run ends (handoff_seconds 0): one requested before the kill would be lost with it too
@@ -155,7 +161,7 @@ def test_a_stream_run_lost_with_its_code_server_is_ended_at_its_max_runtime_and_
         CONFIG.format(
             lake=tmp_path / "lake", driver_options=SHORT_LIVED_DRIVER_OPTIONS, source=SOURCE, port=PG_PORT,
             database=DATABASE, run_seconds=RUN_SECONDS, overrun=MAX_OVERRUN_SECONDS, interval=INTERVAL_SECONDS,
-            silent_port=silent_port, silent_seconds=SILENT_SECONDS,
+            silent_port=silent_port, silent_seconds=SILENT_SECONDS, snapshot_max_runtime=SNAPSHOT_MAX_RUNTIME_SECONDS,
         )
     )  # fmt: skip
     log = tmp_path / "daemon.log"
@@ -166,12 +172,27 @@ def test_a_stream_run_lost_with_its_code_server_is_ended_at_its_max_runtime_and_
     def runs(*statuses: DagsterRunStatus):
         return instance.get_run_records(RunsFilter(job_name=JOB, statuses=list(statuses)))
 
+    def snapshot_runs(*statuses: DagsterRunStatus, **tags: str):
+        return instance.get_run_records(
+            RunsFilter(tags={"cdc/reason": "initial snapshot", **tags}, statuses=list(statuses))
+        )
+
     def applied_batches(run_id: str) -> int:
         return len(instance.get_records_for_run(run_id, of_type=DagsterEventType.ASSET_MATERIALIZATION).records)
 
     try:
+        # a row that no change the slot holds carries (the slot is made again after it): only a snapshot reads it
+        admin.execute("insert into pairs values (0, 'snapshotted', 0, 'z')")
+        admin.execute("select pg_drop_replication_slot(%s)", [DATABASE])
+        admin.execute("select pg_create_logical_replication_slot(%s, 'pgoutput')", [DATABASE])
         with daemon(home, config, log) as first:
             admin.execute("insert into pairs values (1, 'before the loss', 1, 'x')")
+            (started,) = wait_for("a snapshot run started", lambda: snapshot_runs(DagsterRunStatus.STARTED), 180, log)
+            lost_snapshot = started.dagster_run
+            pid = support_wait_for("its process", lambda: run_pid(instance, lost_snapshot.run_id), 30, 0.1)
+            os.kill(pid, signal.SIGSTOP)  # held before its chunk is staged (checked below), then lost with the rest
+            assert lost_snapshot.tags["dagster/max_retries"] == "3", lost_snapshot.tags
+            assert lost_snapshot.tags[MAX_RUNTIME_TAG] == str(SNAPSHOT_MAX_RUNTIME_SECONDS), lost_snapshot.tags
             (record,) = wait_for("a stream run started", lambda: runs(DagsterRunStatus.STARTED), 180, log)
             orphan = record.dagster_run
             assert orphan.tags[MAX_RUNTIME_TAG] == str(RUN_SECONDS + MAX_OVERRUN_SECONDS), orphan.tags
@@ -180,6 +201,9 @@ def test_a_stream_run_lost_with_its_code_server_is_ended_at_its_max_runtime_and_
         admin.execute("insert into pairs values (2, 'after the loss', 2, 'y')")
         time.sleep(5)
         assert instance.get_run_by_id(orphan.run_id).status == DagsterRunStatus.STARTED  # nothing reported it
+        assert instance.get_run_by_id(lost_snapshot.run_id).status == DagsterRunStatus.STARTED
+        pairs = table_asset_key(SOURCE, "public.pairs")
+        assert not instance.get_materialized_partitions(pairs), "the held snapshot run read its chunk before the loss"
 
         restarted = time.time()
         with daemon(home, config, log):
@@ -198,6 +222,25 @@ def test_a_stream_run_lost_with_its_code_server_is_ended_at_its_max_runtime_and_
                 return [run_id for run_id in later if applied_batches(run_id)]
 
             wait_for("a batch of the next stream run", successor_applied, 240, log)
+            (retried,) = wait_for(
+                "the lost snapshot run failed at its max runtime, then retried and succeeded",
+                lambda: snapshot_runs(DagsterRunStatus.SUCCESS, **{"dagster/parent_run_id": lost_snapshot.run_id}),
+                240, log,
+            )  # fmt: skip
+            assert instance.get_run_by_id(lost_snapshot.run_id).status == DagsterRunStatus.FAILURE
+            messages = [entry.message for entry in instance.all_logs(lost_snapshot.run_id)]
+            timed_out = f"maximum runtime of {SNAPSHOT_MAX_RUNTIME_SECONDS} seconds"
+            assert any(timed_out in message for message in messages), messages[-5:]
+            assert retried.dagster_run.tags["dagster/retry_number"] == "1", retried.dagster_run.tags
+            chunks = set(instance.get_dynamic_partitions(chunk_partitions(SOURCE, "public.pairs").name))
+            assert chunks and instance.get_materialized_partitions(pairs) == chunks
+            mirror_path = str(tmp_path / "lake" / SOURCE / "public.pairs" / "mirror")
+
+            def mirrored() -> list[tuple[int, str]]:
+                return sorted((r["region"], r["code"]) for r in spark.read.format("delta").load(mirror_path).collect())
+
+            expected = [(0, "snapshotted"), (1, "before the loss"), (2, "after the loss")]
+            wait_for("the retried snapshot's row reconciled into the mirror", lambda: mirrored() == expected, 180, log)
             lag_recorded = [
                 record.timestamp
                 for record in instance.fetch_observations(
@@ -210,9 +253,7 @@ def test_a_stream_run_lost_with_its_code_server_is_ended_at_its_max_runtime_and_
         assert silent_ticks >= 2 and "source 'silent': cannot connect" in daemon_log, daemon_log[-4000:]
         gaps = [later - earlier for earlier, later in itertools.pairwise(lag_recorded)]
         assert len(lag_recorded) >= 6 and max(gaps) < SILENT_SECONDS - INTERVAL_SECONDS, (lag_recorded, gaps)
-        mirror = spark.read.format("delta").load(str(tmp_path / "lake" / SOURCE / "public.pairs" / "mirror"))
-        rows = sorted((r["region"], r["code"]) for r in mirror.collect())
-        assert rows == [(1, "before the loss"), (2, "after the loss")], rows
+        assert mirrored() == expected
         assert instance.get_latest_materialization_event(stream_asset_key(SOURCE)) is not None
     finally:
         admin.close()
