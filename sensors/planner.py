@@ -203,7 +203,7 @@ def snapshot_run_tags(source: SourceConfig) -> dict[str, str]:
     """Dagster's tags that retry a failed snapshot run of ``source`` and bound its time in flight:
     ``dagster/max_retries`` (``snapshot_run_retries``) and ``dagster/max_runtime``
     (``snapshot_run_max_runtime_seconds``), each left out when 0 (the instance's defaults then apply)."""
-    tags = {}
+    tags: dict[str, str] = {}
     if source.snapshot_run_retries:
         tags[MAX_RETRIES_TAG] = str(source.snapshot_run_retries)
     if source.snapshot_run_max_runtime_seconds:
