@@ -373,7 +373,9 @@ def test_the_stream_sensor_requests_a_successor_within_the_handoff_lead_of_the_r
     assert successor.startswith(f"successor of stream run {in_flight.run_id}, whose batches end in "), successor
 
 
-def test_planner_requests_initial_snapshot_runs_without_the_chunk_checks(config_path) -> None:
+def test_planner_requests_initial_snapshot_runs_without_the_chunk_checks(config_path, capfd) -> None:
+    """Each run a range of chunks, retried by Dagster's daemon after a failure (``dagster/max_retries``), and a
+    warning when the instance does not retry runs (an ephemeral instance's default; the project's enable it)."""
     path, _ = config_path
     defs = build_definitions(path)
     planner = next(s for s in defs.sensors if s.name == "defs_planner_sensor")
@@ -385,8 +387,15 @@ def test_planner_requests_initial_snapshot_runs_without_the_chunk_checks(config_
         # a range of chunks per run; a chunk check in such a run would fail ("partition_key for a range")
         assert request.asset_check_keys == [], request
         assert request.tags["dagster/asset_partition_range_start"] <= request.tags["dagster/asset_partition_range_end"]
+        assert request.tags["dagster/max_retries"] == "3", request.tags  # snapshot_run_retries' default
     added = {key for r in result.dynamic_partitions_requests for key in r.partition_keys}
     assert chunk_partition_key(0) in added, added
+    warning = "this Dagster instance does not retry runs (run_retries.enabled in its dagster.yaml)"
+    assert warning in capfd.readouterr().err
+    retrying = DagsterInstance.ephemeral(settings={"run_retries": {"enabled": True}})
+    with build_sensor_context(instance=retrying, resources=defs.resources, definitions=defs) as context:
+        assert planner.evaluate_tick(context).run_requests
+    assert warning not in capfd.readouterr().err
 
 
 def test_planner_reads_every_chunk_again_when_a_column_with_a_default_is_added(config_path) -> None:
