@@ -26,9 +26,13 @@ batch started (the run's poll), launch = startup = 0. The parts add up to the la
 Output: results table; where a workload batch's seconds go (each phase of the stream's batches: read, changelog,
 merge, reconcile, the rest; p50, p95, mean, share), and issue 30's target 5 met or not with the MERGE's part of a
 batch (the floor no setting removed) and the warm-up's part of the tail (``warm_up_line``: the workload's first
-MERGE in the run's fresh JVM, the p95 without the workload's first 30 s); ``bench/out/freshness-<utc>.json``,
+MERGE in the run's fresh JVM, the p95 without the workload's first 30 s), and each handoff to a successor stream
+run (``handoff_lines``: the changes committed from the successor's start to 30 s after its first batch, their p95,
+the p95 of the rest, and the share of the time such a window takes with a handoff every ``run_seconds``: a long
+run's p95 lies inside the windows once that share passes 5 %); ``bench/out/freshness-<utc>.json``,
 ``bench/out/freshness.png`` (latency over time, latency distribution with p50/p95, and the parts of each stream batch
-during the workload). ``--keep`` keeps DAGSTER_HOME and the lake (``bench/out/work``); the daemon log is
+during the workload). ``--run-seconds`` sets the stream runs' ``stream.run_seconds`` instead of ``cdc.yaml``'s.
+``--keep`` keeps DAGSTER_HOME and the lake (``bench/out/work``); the daemon log is
 ``bench/out/logs/freshness-daemon.log``.
 """
 
@@ -80,8 +84,9 @@ def lsn_int(text: str) -> int:
     return (int(high, 16) << 32) | int(low, 16)
 
 
-def write_config(path: Path, lake: Path, rows_chunk: int) -> dict[str, Any]:
-    """The bench source's configuration, with the repository's ``spark`` and ``stream`` settings."""
+def write_config(path: Path, lake: Path, rows_chunk: int, run_seconds: int | None = None) -> dict[str, Any]:
+    """The bench source's configuration, with the repository's ``spark`` and ``stream`` settings (``run_seconds``, when
+    given, instead of the repository's ``stream.run_seconds``)."""
     deployed = yaml.safe_load((ROOT / "cdc.yaml").read_text())
     template = deployed["sources"][0]
     source = {
@@ -95,7 +100,7 @@ def write_config(path: Path, lake: Path, rows_chunk: int) -> dict[str, Any]:
         "chunk_size": rows_chunk,
         "read_parallelism": template.get("read_parallelism", 2),
         "tables": [f"public.{TABLE}"],
-        "stream": template.get("stream", {}),
+        "stream": {**template.get("stream", {}), **({"run_seconds": run_seconds} if run_seconds is not None else {})},
     }  # fmt: skip
     config = {"lake_root": str(lake), "spark": deployed.get("spark", {}), "sources": [source]}
     path.write_text(yaml.safe_dump(config, sort_keys=False))
@@ -211,6 +216,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", type=int, default=50_000, help="rows of bench_fresh before the workload")
     parser.add_argument("--chunk-size", type=int, default=10_000)
     parser.add_argument("--keep", action="store_true")
+    parser.add_argument("--run-seconds", type=int, default=None,
+                        help="the stream runs' stream.run_seconds (default: cdc.yaml's)")  # fmt: skip
     args = parser.parse_args(argv)
 
     ensure_database()
@@ -222,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     shutil.copy(ROOT / "dagster_home" / "dagster.yaml", home / "dagster.yaml")
     lake = work / "lake"
     config_path = work / "cdc.yaml"
-    deployed = write_config(config_path, lake, args.chunk_size)
+    deployed = write_config(config_path, lake, args.chunk_size, args.run_seconds)
     with admin_connect() as conn:
         reset_capture(conn, SOURCE, [TABLE])
     env = {**os.environ, "DAGSTER_HOME": str(home), "CDC_CONFIG": str(config_path),
@@ -245,8 +252,8 @@ def main(argv: list[str] | None = None) -> int:
     analyse(result, lake)
     if not args.keep:
         remove_dir(work)
+    path = save_json("freshness", {"args": vars(args), **result})  # first: a report that fails loses no run
     report(result, args)
-    path = save_json("freshness", {"args": vars(args), **result})
     print(f"\nresults: {path}", flush=True)
     return 0
 
@@ -401,6 +408,8 @@ def report(result: dict[str, Any], args: argparse.Namespace) -> None:
     )
     print(target_line(percentile(timed["latency"], 95), columns))
     print(warm_up_line(changes, workload))
+    for line in handoff_lines(result, stream.get("run_seconds", 0)):
+        print(line)
     for run_id, message in result["failed_runs"].items():
         print(f"  failed run {run_id}: {message}")
     plot(result)
@@ -463,6 +472,56 @@ def warm_up_line(changes: list[dict[str, Any]], workload: list[dict[str, Any]]) 
         f"{percentile(later, 95) or 0:.2f} s ({len(later):,} rows) against {percentile(everything, 95) or 0:.2f} s "
         f"for all: each start of a stream run pays it again"
     )
+
+
+HANDOFF_AFTER_SECONDS = 30.0
+
+
+def handoff_windows(result: dict[str, Any]) -> list[tuple[float, float]]:
+    """Per stream run that took over from another during the workload: the window of source commits (seconds since
+    the workload's start) its handoff disturbed, from the run's start (its driver starts and warms beside the
+    streaming predecessor: the two share the cores) to ``HANDOFF_AFTER_SECONDS`` after its first batch ended."""
+    windows = []
+    for previous, run in itertools.pairwise(result["runs"]):
+        batches = run.get("batches", [])
+        if not batches or not previous.get("batches") or run["started"] is None:
+            continue
+        first_end = batches[0]["materialized"]
+        if first_end < result["workload_start"]:
+            continue
+        windows.append((run["started"] - result["workload_start"],
+                        first_end + HANDOFF_AFTER_SECONDS - result["workload_start"]))  # fmt: skip
+    return windows
+
+
+def handoff_lines(result: dict[str, Any], run_seconds: float) -> list[str]:
+    """Where a steady deployment's tail comes from: each handoff's window (``handoff_windows``), its changes' p95,
+    and the p95 of the rest after the workload's first ``WARM_UP_SECONDS``; and the share of the time a window
+    takes when a handoff comes every ``run_seconds`` (steady operation; a run's p95 lies inside the windows when
+    that share is over 5 %)."""
+    changes = result["latencies"]
+    windows = handoff_windows(result)
+    if not windows:
+        return ["  handoffs during the workload: none (every batch ran in the stream run that started first)"]
+    inside = [c["latency"] for c in changes if any(start <= c["t"] <= end for start, end in windows)]
+    rest = [c["latency"] for c in changes
+            if c["t"] >= WARM_UP_SECONDS and not any(start <= c["t"] <= end for start, end in windows)]  # fmt: skip
+    lines = []
+    for start, end in windows:
+        mine = [c["latency"] for c in changes if start <= c["t"] <= end]
+        lines.append(
+            f"  handoff: successor started {start:.0f} s into the workload, its first batch + "
+            f"{HANDOFF_AFTER_SECONDS:g} s ended at {end:.0f} s ({end - start:.0f} s): latency p95 "
+            f"{percentile(mine, 95) or 0:.2f} s, max {max(mine, default=0):.2f} s ({len(mine):,} rows)"
+        )
+    seconds = sum(end - start for start, end in windows) / len(windows)
+    share = f"{seconds / run_seconds:.1%} of the time with a handoff every {run_seconds:g} s" if run_seconds else ""
+    lines.append(
+        f"  outside the handoffs and the first {WARM_UP_SECONDS:g} s: latency p95 {percentile(rest, 95) or 0:.2f} s "
+        f"({len(rest):,} rows); inside them p95 {percentile(inside, 95) or 0:.2f} s; a window lasts "
+        f"{seconds:.0f} s on average: {share}"
+    )
+    return lines
 
 
 def plot(result: dict[str, Any]) -> None:
