@@ -29,7 +29,8 @@ batch (the floor no setting removed) and the warm-up's part of the tail (``warm_
 MERGE in the run's fresh JVM, the p95 without the workload's first 30 s), and each handoff to a successor stream
 run (``handoff_lines``: the changes committed from the successor's start to 30 s after its first batch, their p95,
 the p95 of the rest, and the share of the time such a window takes with a handoff every ``run_seconds``: a long
-run's p95 lies inside the windows once that share passes 5 %); ``bench/out/freshness-<utc>.json``,
+run's p95 lies inside the windows once that share passes 5 %), and per 5 minutes of the workload its p95, the
+batches' MERGE p50 and changes p50 (``period_lines``); ``bench/out/freshness-<utc>.json``,
 ``bench/out/freshness.png`` (latency over time, latency distribution with p50/p95, and the parts of each stream batch
 during the workload). ``--run-seconds`` sets the stream runs' ``stream.run_seconds`` instead of ``cdc.yaml``'s.
 ``--keep`` keeps DAGSTER_HOME and the lake (``bench/out/work``); the daemon log is
@@ -410,6 +411,8 @@ def report(result: dict[str, Any], args: argparse.Namespace) -> None:
     print(warm_up_line(changes, workload))
     for line in handoff_lines(result, stream.get("run_seconds", 0)):
         print(line)
+    for line in period_lines(result, workload):
+        print(line)
     for run_id, message in result["failed_runs"].items():
         print(f"  failed run {run_id}: {message}")
     plot(result)
@@ -521,6 +524,28 @@ def handoff_lines(result: dict[str, Any], run_seconds: float) -> list[str]:
         f"({len(rest):,} rows); inside them p95 {percentile(inside, 95) or 0:.2f} s; a window lasts "
         f"{seconds:.0f} s on average: {share}"
     )
+    return lines
+
+
+PERIOD_SECONDS = 300.0
+
+
+def period_lines(result: dict[str, Any], workload: list[dict[str, Any]]) -> list[str]:
+    """How the run changed over time, per ``PERIOD_SECONDS`` of the workload: the latency's p95 of the changes
+    committed then, and the median MERGE phase and changes of the batches started then (a batch whose cost grows
+    holds more changes next time: a growing table shows here, as it did over 35 minutes on 2026-12-06)."""
+    lines = []
+    start = result["workload_start"]
+    for index in range(int(-(-result["duration"] // PERIOD_SECONDS))):
+        low, high = index * PERIOD_SECONDS, (index + 1) * PERIOD_SECONDS
+        latencies = [c["latency"] for c in result["latencies"] if low <= c["t"] < high]
+        batches = [b for b in workload if low <= b["batch_start"] - start < high]
+        merges = [b["phases"].get("merge", 0.0) for b in batches]
+        sizes = [b["changes"] for b in batches]
+        lines.append(
+            f"  {low:5.0f}-{high:5.0f} s: latency p95 {percentile(latencies, 95) or 0:.2f} s; {len(batches)} batches, "
+            f"MERGE p50 {percentile(merges, 50) or 0:.2f} s, changes p50 {percentile(sizes, 50) or 0:,.0f}"
+        )
     return lines
 
 
