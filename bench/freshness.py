@@ -42,6 +42,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import math
 import os
 import shutil
 import signal
@@ -506,9 +507,12 @@ def handoff_lines(result: dict[str, Any], run_seconds: float) -> list[str]:
     windows = handoff_windows(result)
     if not windows:
         return ["  handoffs during the workload: none (every batch ran in the stream run that started first)"]
-    inside = [c["latency"] for c in changes if any(start <= c["t"] <= end for start, end in windows)]
-    rest = [c["latency"] for c in changes
-            if c["t"] >= WARM_UP_SECONDS and not any(start <= c["t"] <= end for start, end in windows)]  # fmt: skip
+    inside, rest = [], []
+    for c in changes:
+        if any(start <= c["t"] <= end for start, end in windows):
+            inside.append(c["latency"])
+        elif c["t"] >= WARM_UP_SECONDS:
+            rest.append(c["latency"])
     lines = []
     for start, end in windows:
         mine = [c["latency"] for c in changes if start <= c["t"] <= end]
@@ -536,7 +540,7 @@ def period_lines(result: dict[str, Any], workload: list[dict[str, Any]]) -> list
     holds more changes next time: a growing table shows here, as it did over 35 minutes on 2026-12-06)."""
     lines = []
     start = result["workload_start"]
-    for index in range(int(-(-result["duration"] // PERIOD_SECONDS))):
+    for index in range(math.ceil(result["duration"] / PERIOD_SECONDS)):
         low, high = index * PERIOD_SECONDS, (index + 1) * PERIOD_SECONDS
         latencies = [c["latency"] for c in result["latencies"] if low <= c["t"] < high]
         batches = [b for b in workload if low <= b["batch_start"] - start < high]
