@@ -40,7 +40,7 @@ from cdc_assets.sources import open_source
 from resources.cdc import CdcResource
 from sensors.consistency import build_chunk_check_job, build_consistency_sweep
 from sensors.planner import build_planner_sensor
-from sensors.stream import build_stream_sensor
+from sensors.stream import build_stream_sensor, stream_job_tags
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +78,9 @@ def build_definitions(config_path: str | os.PathLike[str]) -> Definitions:
         jobs += check_jobs.values()
         assets.append(build_stream_asset(source))
         checks.append(build_lag_check(source))
-        stream_job = define_asset_job(stream_job_name(source.name), selection=[stream_asset_key(source.name)])
+        stream_job = define_asset_job(
+            stream_job_name(source.name), selection=[stream_asset_key(source.name)], tags=stream_job_tags(source.stream)
+        )
         jobs += [stream_job, build_change_offset_job(source.name), build_snapshot_rows_job(source)]
         sensors.append(build_stream_sensor(source.name, stream_job.name, source.stream.interval_seconds))
         if names or skipped:

@@ -48,7 +48,13 @@ def build_change_offset_job(source_name: str) -> JobDefinition:
         )
         pipeline.acknowledge(offset)  # recorded (the event is stored when logged): the source may forget up to it
 
-    @job(name=change_offset_job_name(source_name), description="Validate and record a new stream offset (DDD-4).")
+    # never retried by Dagster's daemon (the instance's run_retries retry every run without this tag): an offset is
+    # the operator's decision, and a refused one (OffsetError: the reason, the allowed values) is refused again
+    @job(
+        name=change_offset_job_name(source_name),
+        description="Validate and record a new stream offset (DDD-4).",
+        tags={"dagster/max_retries": "0"},
+    )
     def change_offset_job() -> None:
         change_offset()
 

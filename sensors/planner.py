@@ -60,7 +60,7 @@ from cdc_assets.config import SourceConfig
 from cdc_assets.engine.chunks import chunk_partition_key
 from cdc_assets.engine.partitions import repartition_reason
 from resources.cdc import CdcResource
-from sensors.stream import MAX_RUNTIME_TAG
+from sensors.stream import MAX_RETRIES_TAG, MAX_RUNTIME_TAG
 
 RANGE_START = "dagster/asset_partition_range_start"
 RANGE_END = "dagster/asset_partition_range_end"
@@ -69,7 +69,6 @@ SKIPPED_KEY = "~skipped"
 PARTITIONS_KEY = "~partitions"
 RESNAPSHOT_KEY = "~resnapshot"
 NO_SNAPSHOT_MODES = ("latest", "timestamp")
-MAX_RETRIES_TAG = "dagster/max_retries"  # read by the daemon's automatic run retries (run_retries in dagster.yaml)
 
 
 def build_planner_sensor(source_name: str, table_names: list[str], interval_seconds: int) -> SensorDefinition:
@@ -202,10 +201,9 @@ def _snapshot_requests(source: SourceConfig, name: str, indexes: list[int], kind
 def snapshot_run_tags(source: SourceConfig) -> dict[str, str]:
     """Dagster's tags that retry a failed snapshot run of ``source`` and bound its time in flight:
     ``dagster/max_retries`` (``snapshot_run_retries``) and ``dagster/max_runtime``
-    (``snapshot_run_max_runtime_seconds``), each left out when 0 (the instance's defaults then apply)."""
-    tags: dict[str, str] = {}
-    if source.snapshot_run_retries:
-        tags[MAX_RETRIES_TAG] = str(source.snapshot_run_retries)
-    if source.snapshot_run_max_runtime_seconds:
-        tags[MAX_RUNTIME_TAG] = str(source.snapshot_run_max_runtime_seconds)
-    return tags
+    (``snapshot_run_max_runtime_seconds``), 0 included (never; no bound): a run without them takes the instance's
+    defaults (``run_retries.max_retries``, ``run_monitoring.max_runtime_seconds`` in dagster.yaml)."""
+    return {
+        MAX_RETRIES_TAG: str(source.snapshot_run_retries),
+        MAX_RUNTIME_TAG: str(source.snapshot_run_max_runtime_seconds),
+    }

@@ -62,6 +62,7 @@ from cdc_assets.source import SourceLag
 from resources.cdc import CdcResource
 
 MAX_RUNTIME_TAG = "dagster/max_runtime"  # read by Dagster's run monitor (run_monitoring in the instance's dagster.yaml)
+MAX_RETRIES_TAG = "dagster/max_retries"  # read by the daemon's automatic run retries (run_retries in dagster.yaml)
 PRIORITY_TAG = "dagster/priority"  # read by Dagster's queued run coordinator: higher values leave the queue first
 # in the demo (2026-12-05) a stream run waited 134 s in the queue behind two check runs launched by hand, and a slot
 # freed meanwhile went to a check run queued before it
@@ -142,15 +143,22 @@ def successor_reason(in_flight: list[DagsterRun], lead_seconds: int, now: float)
 
 
 def stream_run_tags(stream: StreamConfig, reason: str) -> dict[str, str]:
-    """A stream run's tags: why it was requested (``cdc/reason``), and its bound in flight (``dagster/max_runtime``:
-    ``stream.handoff_lead_seconds`` + ``stream.run_seconds`` + ``stream.max_overrun_seconds``), past which Dagster's
-    run monitor cancels it and marks it failed, also when no process is left to report it (its code server lost with
-    it), so this sensor's "still in flight" ends and the next tick launches a run that goes on from the recorded
-    offset; and its queue priority (``dagster/priority``, ``STREAM_PRIORITY``), above snapshot and check runs."""
-    tags = {"cdc/reason": reason, PRIORITY_TAG: STREAM_PRIORITY}
-    if stream.max_runtime_seconds is not None:
-        tags[MAX_RUNTIME_TAG] = str(stream.max_runtime_seconds)
-    return tags
+    """A stream run's tags: why it was requested (``cdc/reason``), its queue priority (``dagster/priority``,
+    ``STREAM_PRIORITY``, above snapshot and check runs), and ``stream_job_tags``."""
+    return {"cdc/reason": reason, PRIORITY_TAG: STREAM_PRIORITY, **stream_job_tags(stream)}
+
+
+def stream_job_tags(stream: StreamConfig) -> dict[str, str]:
+    """The tags of every run of a source's stream job (the sensor's, and one launched by hand): its bound in flight
+    (``dagster/max_runtime``: ``stream.handoff_lead_seconds`` + ``stream.run_seconds`` +
+    ``stream.max_overrun_seconds``; ``0``, no bound, when ``max_overrun_seconds`` is 0), past which Dagster's run
+    monitor cancels it and marks it failed, also when no process is left to report it (its code server lost with it),
+    so this sensor's "still in flight" ends and the next tick launches a run that goes on from the recorded offset; and
+    no automatic retry (``dagster/max_retries`` 0): the sensor requests the next run itself, from the recorded offset,
+    and a retry beside it would be one more run waiting for the source's pool. Both are written out, 0 included:
+    the instance's defaults (``run_monitoring.max_runtime_seconds``, ``run_retries.max_retries`` in dagster.yaml)
+    bound and retry every run that carries no such tag, a backfill's from the UI among them."""
+    return {MAX_RUNTIME_TAG: str(stream.max_runtime_seconds or 0), MAX_RETRIES_TAG: "0"}
 
 
 def _running():

@@ -131,7 +131,7 @@ def test_the_sensors_wait_for_a_source_is_bounded_below_dagsters_tick_limit() ->
 
 
 def test_a_stream_runs_bound_in_flight_is_its_handoff_lead_run_seconds_and_overrun_or_none_when_off() -> None:
-    from sensors.stream import MAX_RUNTIME_TAG, PRIORITY_TAG, stream_run_tags
+    from sensors.stream import MAX_RETRIES_TAG, MAX_RUNTIME_TAG, PRIORITY_TAG, stream_run_tags
 
     default = parse(BASE).source("demo").stream
     assert (default.run_seconds, default.max_overrun_seconds, default.max_runtime_seconds) == (0, 1800, 1800)
@@ -148,11 +148,17 @@ def test_a_stream_runs_bound_in_flight_is_its_handoff_lead_run_seconds_and_overr
     assert stream_run_tags(long_lived, "slot holds changes") == {
         "cdc/reason": "slot holds changes",
         MAX_RUNTIME_TAG: "1020",
+        MAX_RETRIES_TAG: "0",  # the sensor requests the next run itself; the instance's default would retry it
         PRIORITY_TAG: "1",  # before snapshot (0) and sweep (-1) runs in the queue
     }
     unbounded = parse(with_stream({"run_seconds": 600, "max_overrun_seconds": 0})).source("demo").stream
     assert unbounded.max_runtime_seconds is None
-    assert stream_run_tags(unbounded, "slot holds changes") == {"cdc/reason": "slot holds changes", PRIORITY_TAG: "1"}
+    assert stream_run_tags(unbounded, "slot holds changes") == {
+        "cdc/reason": "slot holds changes",
+        MAX_RUNTIME_TAG: "0",  # written out: the instance's default bound (run_monitoring.max_runtime_seconds) is not 0
+        MAX_RETRIES_TAG: "0",
+        PRIORITY_TAG: "1",
+    }
     with pytest.raises(ConfigError, match=r"stream\.max_overrun_seconds: expected 0 \(off\) or a positive integer"):
         parse(with_stream({"max_overrun_seconds": -5}))
 

@@ -6,6 +6,12 @@ it (held in its read, then lost) is ended at its own ``dagster/max_runtime`` (th
 ``snapshot_run_retries``; the instance's ``run_retries``): its chunk is read and reaches the mirror. Without those
 tags it stays STARTED, holds a run slot, and its chunk is never read (the planner requests a chunk once).
 
+A backfill's run launched from the UI carries none of those tags (the UI asks for none; its tags are the backfill's
+own): it is held and lost the same way, and the instance's defaults (``run_monitoring.max_runtime_seconds``,
+``run_retries.max_retries`` in the demo's ``dagster.yaml``, the bound shortened here) end it and run it again, and the
+backfill completes. Before those defaults it stayed STARTED for good, and its backfill with it (its runs go one at a
+time).
+
 Real processes throughout: ``dagster-daemon run`` (sensors, run queue, run monitor, the code server it starts and
 the runs that server launches, each with its Spark driver) on a SQLite instance with the demo's ``dagster.yaml``
 (its monitor's poll shortened), a real PostgreSQL source and a Delta mirror. Without the tag the orphaned run stays
@@ -36,11 +42,14 @@ import psycopg
 import pytest
 import yaml
 from dagster import AssetRecordsFilter, DagsterEventType, DagsterInstance, DagsterRunStatus, RunsFilter
+from dagster._core.definitions.assets.graph.asset_graph import AssetGraph
+from dagster._core.execution.backfill import BulkActionStatus, PartitionBackfill
 from dagster._core.instance.ref import InstanceRef
 
-from cdc_assets.assets import chunk_partitions, stream_asset_key, table_asset_key
+from cdc_assets.assets import build_table_asset, chunk_partitions, stream_asset_key, table_asset_key
+from cdc_assets.config import parse_config
 from cdc_assets.lake.spark import SHORT_LIVED_DRIVER_OPTIONS
-from sensors.stream import MAX_RUNTIME_TAG
+from sensors.stream import MAX_RETRIES_TAG, MAX_RUNTIME_TAG
 from tests.integration.support import PG_PORT, READER_PASSWORD, T, create_source, drop_source, run_pid
 from tests.integration.support import wait_for as support_wait_for
 
@@ -50,7 +59,8 @@ JOB = f"{SOURCE}_stream"
 ROOT = Path(__file__).resolve().parents[2]
 RUN_SECONDS = 20
 MAX_OVERRUN_SECONDS = 10
-SNAPSHOT_MAX_RUNTIME_SECONDS = 40
+SNAPSHOT_MAX_RUNTIME_SECONDS = 90  # above the first daemon's life: the runs it holds are lost, not ended, by then
+DEFAULT_MAX_RUNTIME_SECONDS = 100  # the instance's bound of a run without its own (6 hours in the demo's dagster.yaml)
 SILENT_SECONDS = 20  # the silent source's connect_timeout: how long each of its sensor's ticks waits
 INTERVAL_SECONDS = 5
 
@@ -112,6 +122,22 @@ def daemon(home: Path, config: Path, log: Path) -> Iterator[subprocess.Popen]:
         kill_group(process)
 
 
+def launch_backfill_as_the_ui_does(instance: DagsterInstance, config_text: str, tmp_path: Path) -> str:
+    """A backfill of every chunk of the source's table, added to the instance as the UI's "Launch backfill" adds one
+    (its GraphQL mutation builds the same ``PartitionBackfill`` and adds it; no tags asked for); the daemon's backfill
+    loop launches its run. The backfill's id."""
+    source = parse_config(yaml.safe_load(config_text), tmp_path, {"ORPHAN_PW": READER_PASSWORD}).source(SOURCE)
+    table = build_table_asset(source, "public.pairs")
+    partitions = instance.get_dynamic_partitions(chunk_partitions(SOURCE, "public.pairs").name)
+    backfill = PartitionBackfill.from_asset_partitions(
+        backfill_id="uibackfill", asset_graph=AssetGraph.from_assets([table]),
+        partition_names=partitions, asset_selection=[table.key], backfill_timestamp=time.time(), tags={},
+        dynamic_partitions_store=instance, all_partitions=False, title=None, description=None, run_config=None,
+    )  # fmt: skip
+    instance.add_backfill(backfill)
+    return backfill.backfill_id
+
+
 def kill_group(process: subprocess.Popen) -> None:
     """SIGKILL to every process of the group: the daemon, its code server, the runs and their Spark drivers; nothing
     gets to report anything."""
@@ -153,17 +179,20 @@ def test_a_stream_run_lost_with_its_code_server_is_ended_at_its_max_runtime_and_
     home = tmp_path / "dagster_home"
     home.mkdir()
     instance_yaml = yaml.safe_load((ROOT / "dagster_home" / "dagster.yaml").read_text())
-    instance_yaml["run_monitoring"].update({"poll_interval_seconds": 2})
+    assert instance_yaml["run_retries"]["max_retries"] >= 1, instance_yaml.get("run_retries")
+    assert instance_yaml["run_monitoring"]["max_runtime_seconds"] > 0, instance_yaml.get("run_monitoring")
+    instance_yaml["run_monitoring"].update(
+        {"poll_interval_seconds": 2, "max_runtime_seconds": DEFAULT_MAX_RUNTIME_SECONDS}
+    )
     (home / "dagster.yaml").write_text(yaml.safe_dump(instance_yaml))
     assert instance_yaml["sensors"]["use_threads"] is True, instance_yaml.get("sensors")
     config = tmp_path / "cdc.yaml"
-    config.write_text(
-        CONFIG.format(
-            lake=tmp_path / "lake", driver_options=SHORT_LIVED_DRIVER_OPTIONS, source=SOURCE, port=PG_PORT,
-            database=DATABASE, run_seconds=RUN_SECONDS, overrun=MAX_OVERRUN_SECONDS, interval=INTERVAL_SECONDS,
-            silent_port=silent_port, silent_seconds=SILENT_SECONDS, snapshot_max_runtime=SNAPSHOT_MAX_RUNTIME_SECONDS,
-        )
+    config_text = CONFIG.format(
+        lake=tmp_path / "lake", driver_options=SHORT_LIVED_DRIVER_OPTIONS, source=SOURCE, port=PG_PORT,
+        database=DATABASE, run_seconds=RUN_SECONDS, overrun=MAX_OVERRUN_SECONDS, interval=INTERVAL_SECONDS,
+        silent_port=silent_port, silent_seconds=SILENT_SECONDS, snapshot_max_runtime=SNAPSHOT_MAX_RUNTIME_SECONDS,
     )  # fmt: skip
+    config.write_text(config_text)
     log = tmp_path / "daemon.log"
     instance = DagsterInstance.from_ref(InstanceRef.from_dir(str(home)))
     admin = psycopg.connect(orphan_source, autocommit=True)
@@ -177,6 +206,11 @@ def test_a_stream_run_lost_with_its_code_server_is_ended_at_its_max_runtime_and_
             RunsFilter(tags={"cdc/reason": "initial snapshot", **tags}, statuses=list(statuses))
         )
 
+    def backfill_runs(*statuses: DagsterRunStatus, **tags: str):
+        return instance.get_run_records(
+            RunsFilter(tags={"dagster/backfill": "uibackfill", **tags}, statuses=list(statuses))
+        )
+
     def applied_batches(run_id: str) -> int:
         return len(instance.get_records_for_run(run_id, of_type=DagsterEventType.ASSET_MATERIALIZATION).records)
 
@@ -186,22 +220,35 @@ def test_a_stream_run_lost_with_its_code_server_is_ended_at_its_max_runtime_and_
         admin.execute("select pg_drop_replication_slot(%s)", [DATABASE])
         admin.execute("select pg_create_logical_replication_slot(%s, 'pgoutput')", [DATABASE])
         with daemon(home, config, log) as first:
-            admin.execute("insert into pairs values (1, 'before the loss', 1, 'x')")
             (started,) = wait_for("a snapshot run started", lambda: snapshot_runs(DagsterRunStatus.STARTED), 180, log)
             lost_snapshot = started.dagster_run
             pid = support_wait_for("its process", lambda: run_pid(instance, lost_snapshot.run_id), 30, 0.1)
             os.kill(pid, signal.SIGSTOP)  # held before its chunk is staged (checked below), then lost with the rest
             assert lost_snapshot.tags["dagster/max_retries"] == "3", lost_snapshot.tags
             assert lost_snapshot.tags[MAX_RUNTIME_TAG] == str(SNAPSHOT_MAX_RUNTIME_SECONDS), lost_snapshot.tags
-            (record,) = wait_for("a stream run started", lambda: runs(DagsterRunStatus.STARTED), 180, log)
+            backfill_id = launch_backfill_as_the_ui_does(instance, config_text, tmp_path)
+            (held,) = wait_for("the backfill's run started", lambda: backfill_runs(DagsterRunStatus.STARTED), 180, log)
+            lost_backfill = held.dagster_run
+            pid = support_wait_for("its process", lambda: run_pid(instance, lost_backfill.run_id), 30, 0.1)
+            os.kill(pid, signal.SIGSTOP)  # held before its chunk is read, as the snapshot run
+            # the UI's backfill gives its runs no bound and no retries: the instance's defaults are theirs
+            assert not {MAX_RETRIES_TAG, MAX_RUNTIME_TAG} & set(lost_backfill.tags), lost_backfill.tags
+            # a change for the stream now: the sensor's first run may have ended meanwhile with nothing left to read
+            admin.execute("insert into pairs values (1, 'before the loss', 1, 'x')")
+
+            def streaming() -> list:
+                return [r for r in runs(DagsterRunStatus.STARTED) if applied_batches(r.dagster_run.run_id)]
+
+            (record, *_) = wait_for("a stream run in flight with a batch applied", streaming, 180, log)
             orphan = record.dagster_run
             assert orphan.tags[MAX_RUNTIME_TAG] == str(RUN_SECONDS + MAX_OVERRUN_SECONDS), orphan.tags
-            wait_for("the run's first batch", lambda: applied_batches(orphan.run_id), 180, log)
+            assert orphan.tags[MAX_RETRIES_TAG] == "0", orphan.tags  # the sensor requests the next one
             kill_group(first)
         admin.execute("insert into pairs values (2, 'after the loss', 2, 'y')")
         time.sleep(5)
         assert instance.get_run_by_id(orphan.run_id).status == DagsterRunStatus.STARTED  # nothing reported it
         assert instance.get_run_by_id(lost_snapshot.run_id).status == DagsterRunStatus.STARTED
+        assert instance.get_run_by_id(lost_backfill.run_id).status == DagsterRunStatus.STARTED
         pairs = table_asset_key(SOURCE, "public.pairs")
         assert not instance.get_materialized_partitions(pairs), "the held snapshot run read its chunk before the loss"
 
@@ -232,6 +279,20 @@ def test_a_stream_run_lost_with_its_code_server_is_ended_at_its_max_runtime_and_
             timed_out = f"maximum runtime of {SNAPSHOT_MAX_RUNTIME_SECONDS} seconds"
             assert any(timed_out in message for message in messages), messages[-5:]
             assert retried.dagster_run.tags["dagster/retry_number"] == "1", retried.dagster_run.tags
+            (retried_backfill_run,) = wait_for(
+                "the lost backfill run failed at the instance's max runtime, then retried and succeeded",
+                lambda: backfill_runs(DagsterRunStatus.SUCCESS, **{"dagster/parent_run_id": lost_backfill.run_id}),
+                240, log,
+            )  # fmt: skip
+            assert instance.get_run_by_id(lost_backfill.run_id).status == DagsterRunStatus.FAILURE
+            messages = [entry.message for entry in instance.all_logs(lost_backfill.run_id)]
+            timed_out = f"maximum runtime of {DEFAULT_MAX_RUNTIME_SECONDS} seconds"
+            assert any(timed_out in message for message in messages), messages[-5:]
+            assert retried_backfill_run.dagster_run.tags["dagster/retry_number"] == "1"
+            wait_for(
+                "the backfill completed",
+                lambda: instance.get_backfill(backfill_id).status == BulkActionStatus.COMPLETED_SUCCESS, 120, log,
+            )  # fmt: skip
             chunks = set(instance.get_dynamic_partitions(chunk_partitions(SOURCE, "public.pairs").name))
             assert chunks and instance.get_materialized_partitions(pairs) == chunks
             mirror_path = str(tmp_path / "lake" / SOURCE / "public.pairs" / "mirror")

@@ -34,7 +34,12 @@ def test_each_snapshot_run_carries_its_retries_and_its_bound_in_flight() -> None
         assert request.tags["cdc/reason"] == "initial snapshot"
 
 
-def test_zero_leaves_a_tag_out_so_the_instance_decides() -> None:
-    assert snapshot_run_tags(replace(SOURCE, snapshot_run_retries=0)) == {"dagster/max_runtime": "21600"}
-    assert snapshot_run_tags(replace(SOURCE, snapshot_run_max_runtime_seconds=0)) == {"dagster/max_retries": "3"}
-    assert snapshot_run_tags(replace(SOURCE, snapshot_run_retries=0, snapshot_run_max_runtime_seconds=0)) == {}
+def test_zero_is_written_out_so_the_instances_defaults_do_not_apply() -> None:
+    """0 means never and no bound (the settings' documented values): the instance's defaults, which retry and bound
+    every run without these tags (a backfill's from the UI), must not replace them."""
+    assert snapshot_run_tags(replace(SOURCE, snapshot_run_retries=0)) == {
+        "dagster/max_retries": "0", "dagster/max_runtime": "21600",
+    }  # fmt: skip
+    assert snapshot_run_tags(replace(SOURCE, snapshot_run_max_runtime_seconds=0)) == {
+        "dagster/max_retries": "3", "dagster/max_runtime": "0",
+    }  # fmt: skip
