@@ -158,6 +158,8 @@ def test_change_offset_from_the_launchpad_refuses_an_lsn_ahead_of_the_server_and
         run = instance.get_run_by_id(run_id)
         assert run is not None and run.job_name == change_offset_job_name(SOURCE), run
         assert run.status == DagsterRunStatus.FAILURE
+        # never retried by the daemon (the instance retries runs without this tag): a refused offset is refused again
+        assert run.tags.get("dagster/max_retries") == "0", run.tags
         recorded = instance.all_logs(run_id, of_type=DagsterEventType.ASSET_MATERIALIZATION)
     finally:
         instance.dispose()
