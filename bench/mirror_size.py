@@ -22,6 +22,8 @@ In one process (one Spark driver, ``local[2]``, as a long-lived stream run's), f
    ``--write-mode both`` applies each batch twice, to the same restored mirror, in turns first: once with the files
    it touches rewritten and once with deletion vectors (``merge_write_conf``; ``rewrite`` or ``vectors`` alone:
    one of them; default ``pipeline``: as ``apply_changes`` chooses by the mirror's size), and prints both medians.
+   ``--statements both`` does the same with the number of statements: one MERGE, or two (the keys above every key
+   the mirror's files may hold appended, the others merged; ``TWO_STATEMENTS_FROM_BYTES``); ``one`` or ``two`` alone.
 
 3. Floor (``--floor on``, the default), after each of our batches, in the same warm driver, from the same restored
    version and with the batch's updated rows materialized beforehand (untimed): **Delta alone**, its plainest
@@ -209,6 +211,21 @@ def insert_batch(spark: Any, rows: int, inserts: int, position: int) -> Any:
 # --write-mode: the mirror size below which apply_changes rewrites the touched files (merge_write_conf), per mode
 REWRITE_BELOW = {"pipeline": mirror_module.REWRITE_FILES_BELOW_BYTES, "rewrite": 1 << 62, "vectors": 0}
 WRITE_MODES = {"pipeline": ["pipeline"], "rewrite": ["rewrite"], "vectors": ["vectors"], "both": ["rewrite", "vectors"]}
+# how many statements a batch is written in (apply_changes: by TWO_STATEMENTS_FROM_BYTES): as the pipeline chooses by
+# the mirror's size, always one MERGE, or always the keys above the mirror's appended and the others merged apart
+TWO_STATEMENTS_FROM = {"pipeline": mirror_module.TWO_STATEMENTS_FROM_BYTES, "one": 1 << 62, "two": 0}
+STATEMENTS = {"pipeline": ["pipeline"], "one": ["one"], "two": ["two"], "both": ["one", "two"]}
+
+
+def batch_modes(args: argparse.Namespace) -> list[tuple[str, str]]:
+    """Each batch's ways of writing: (write mode, statements) pairs, applied in turns to the same restored mirror."""
+    return list(itertools.product(WRITE_MODES[args.write_mode], STATEMENTS[args.statements]))
+
+
+def mode_label(mode: tuple[str, str]) -> str:
+    write, statements = mode
+    return write if statements == "pipeline" else f"{write}, {statements} statement{'s' if statements == 'two' else ''}"
+
 
 MERGE_METRICS = ("numTargetFilesAdded", "numTargetFilesRemoved", "numTargetRowsCopied", "numTargetRowsUpdated",
                  "numTargetDeletionVectorsAdded", "executionTimeMs", "scanTimeMs", "rewriteTimeMs")  # fmt: skip
@@ -226,11 +243,12 @@ def run_size(spark: Any, rows: int, args: argparse.Namespace) -> dict[str, Any]:
     batches = []
     # the first size's first batch warms the JVM (compiles the MERGE's code) and is not counted
     warm_up = 1 if rows == min(int(s) for s in args.sizes.replace("_", "").split(",") if s.strip()) else 0
-    modes = WRITE_MODES[args.write_mode]
+    modes = batch_modes(args)
     for number, turn in itertools.product(range(args.batches + warm_up), range(len(modes))):
         # with two modes, each batch is applied once in each, in turns first, to the same restored mirror
         mode = modes[(turn + number) % len(modes)]
-        mirror_module.REWRITE_FILES_BELOW_BYTES = REWRITE_BELOW[mode]
+        mirror_module.REWRITE_FILES_BELOW_BYTES = REWRITE_BELOW[mode[0]]
+        mirror_module.TWO_STATEMENTS_FROM_BYTES = TWO_STATEMENTS_FROM[mode[1]]
         spark.sql(f"RESTORE TABLE delta.{q(path)} TO VERSION AS OF {version}")
         if args.change_data_feed == "off":  # a metadata commit; the RESTORE above undoes it for the next batch
             spark.sql(f"ALTER TABLE delta.{q(path)} SET TBLPROPERTIES (delta.enableChangeDataFeed = false)")
@@ -257,10 +275,13 @@ def run_size(spark: Any, rows: int, args: argparse.Namespace) -> dict[str, Any]:
         floor = delta_floor(spark, path, version, changes, args.updates) if args.floor == "on" else {}
         changes.unpersist()
         if counted:
-            batches.append({"seconds": round(seconds, 2), "mode": mode, "operations": operations, **metrics, **floor})
+            batches.append(
+                {"seconds": round(seconds, 2), "mode": mode_label(mode), "operations": operations, **metrics, **floor}
+            )
         print(f"[mirror_size] {rows:,} rows, batch {number}{'' if counted else ' (warm-up, not counted)'} "
-              f"({mode}): {seconds:.2f} s {operations} {metrics} {floor}", flush=True)  # fmt: skip
+              f"({mode_label(mode)}): {seconds:.2f} s {operations} {metrics} {floor}", flush=True)  # fmt: skip
     mirror_module.REWRITE_FILES_BELOW_BYTES = REWRITE_BELOW["pipeline"]
+    mirror_module.TWO_STATEMENTS_FROM_BYTES = TWO_STATEMENTS_FROM["pipeline"]
     spark.sql(f"RESTORE TABLE delta.{q(path)} TO VERSION AS OF {version}")
     floors = {
         name: statistics.median(b[name] for b in batches) if batches and name in batches[0] else None
@@ -272,9 +293,9 @@ def run_size(spark: Any, rows: int, args: argparse.Namespace) -> dict[str, Any]:
         "files": files,
         "build_seconds": round(build_seconds, 1),
         "batches": batches,
-        "median_seconds": statistics.median(b["seconds"] for b in batches if b["mode"] == modes[0]),
+        "median_seconds": statistics.median(b["seconds"] for b in batches if b["mode"] == mode_label(modes[0])),
         "median_seconds_by_mode": {
-            m: statistics.median(b["seconds"] for b in batches if b["mode"] == m) for m in modes
+            mode_label(m): statistics.median(b["seconds"] for b in batches if b["mode"] == mode_label(m)) for m in modes
         },
     }
 
@@ -355,13 +376,21 @@ def report(runs: list[dict[str, Any]], args: argparse.Namespace) -> None:
                 "per batch, "
                 f"{args.batches} batches per size; keys {args.keys}; Change Data Feed {args.change_data_feed}; "
                 "Delta's figures of the last batch)", header, lines)  # fmt: skip
-    if args.write_mode == "both":
+    if args.write_mode == "both" and args.statements != "both":
         for run in runs:
             medians = run["median_seconds_by_mode"]
-            print(f"  {run['rows']:,} rows: median {medians['rewrite']:.2f} s with the touched files rewritten, "
-                  f"{medians['vectors']:.2f} s with deletion vectors (rewrite / vectors "
-                  f"{medians['rewrite'] / medians['vectors']:.2f}); the pipeline rewrites below "
+            rewrite, vectors = (mode_label(("rewrite", args.statements)), mode_label(("vectors", args.statements)))
+            print(f"  {run['rows']:,} rows: median {medians[rewrite]:.2f} s with the touched files rewritten, "
+                  f"{medians[vectors]:.2f} s with deletion vectors (rewrite / vectors "
+                  f"{medians[rewrite] / medians[vectors]:.2f}); the pipeline rewrites below "
                   f"{mirror_module.REWRITE_FILES_BELOW_BYTES // (1024 * 1024)} MB")  # fmt: skip
+    elif len(batch_modes(args)) > 1:
+        for run in runs:
+            medians = ", ".join(f"{label} {seconds:.2f} s" for label, seconds in run["median_seconds_by_mode"].items())
+            print(f"  {run['rows']:,} rows, median per way of writing: {medians}")
+    if args.statements == "both":
+        print(f"  (the pipeline writes a batch in two statements from {TWO_STATEMENTS_FROM['pipeline'] // 2**20} MB "
+              "of mirror on: TWO_STATEMENTS_FROM_BYTES)")  # fmt: skip
     if len(runs) > 1:
         small, large = runs[0], runs[-1]
         growth = large["median_seconds"] / small["median_seconds"]
@@ -426,6 +455,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="how the MERGE writes the mirror: as the pipeline chooses by its size, always "
                         "rewriting the touched files, always with deletion vectors, or each batch both ways "
                         "(pipeline)")  # fmt: skip
+    parser.add_argument("--statements", choices=sorted(STATEMENTS), default="pipeline",
+                        help="how many statements a batch is written in: as the pipeline chooses by the mirror's "
+                        "size, always one MERGE, always two (the new keys appended, the others merged), or each "
+                        "batch both ways (pipeline)")  # fmt: skip
     parser.add_argument("--floor", choices=["on", "off"], default="on",
                         help="also time Delta alone and the key scan on each batch's rows (step 3; on)")  # fmt: skip
     return parser.parse_args(argv)
