@@ -30,6 +30,9 @@ must be enabled, else the planner warns when it requests runs), and its run moni
 machine): it would otherwise stay STARTED, hold a run slot and leave its chunks unread for good. Reading a chunk
 again is safe (its earlier window is superseded); a run key is still requested once.
 
+Lost retries: every evaluation gives up the source's failed runs whose automatic retry Dagster's daemon never
+launched (``sensors.lost_retries``), so a backfill they belong to ends instead of waiting for good.
+
 Skipped tables: every evaluation logs a warning per selected table that cannot be captured (``CdcSource.skipped``),
 names them in its skip reason, and records a failing ``table_is_captured`` check evaluation of the table's asset
 (reason and fix) when it first sees it or its reason changed. Nothing else stops for them.
@@ -60,6 +63,7 @@ from cdc_assets.config import SourceConfig
 from cdc_assets.engine.chunks import chunk_partition_key
 from cdc_assets.engine.partitions import repartition_reason
 from resources.cdc import CdcResource
+from sensors.lost_retries import give_up_lost_retries, lost_retry_message
 from sensors.stream import MAX_RETRIES_TAG, MAX_RUNTIME_TAG
 
 RANGE_START = "dagster/asset_partition_range_start"
@@ -149,6 +153,8 @@ def build_planner_sensor(source_name: str, table_names: list[str], interval_seco
             if reads_tables:
                 indexes = sorted(c.index for c in plan.chunks if c.partition_key in new_keys)
                 requests += _snapshot_requests(source, name, indexes, "initial", "initial snapshot")
+        for run_id in give_up_lost_retries(context.instance, source_name, time.time()):
+            context.log.warning(f"source {source_name}: run {run_id}: {lost_retry_message()}")
         if requests and source.snapshot_run_retries and not context.instance.run_retries_enabled:
             context.log.warning(
                 f"source {source_name}: snapshot_run_retries is {source.snapshot_run_retries}, but this Dagster "
