@@ -41,7 +41,7 @@ from pathlib import Path
 import psycopg
 import pytest
 import yaml
-from dagster import AssetRecordsFilter, DagsterEventType, DagsterInstance, DagsterRunStatus, RunsFilter
+from dagster import AssetRecordsFilter, DagsterEventType, DagsterInstance, DagsterRun, DagsterRunStatus, RunsFilter
 from dagster._core.definitions.assets.graph.asset_graph import AssetGraph
 from dagster._core.execution.backfill import BulkActionStatus, PartitionBackfill
 from dagster._core.instance.ref import InstanceRef
@@ -277,26 +277,20 @@ def test_a_stream_run_lost_with_its_code_server_is_ended_at_its_max_runtime_and_
                 return [run_id for run_id in later if applied_batches(run_id)]
 
             wait_for("a batch of the next stream run", successor_applied, 240, log)
-            (retried,) = wait_for(
-                "the lost snapshot run failed at its max runtime, then retried and succeeded",
-                lambda: snapshot_runs(DagsterRunStatus.SUCCESS, **{"dagster/parent_run_id": lost_snapshot.run_id}),
-                240, log,
-            )  # fmt: skip
-            assert instance.get_run_by_id(lost_snapshot.run_id).status == DagsterRunStatus.FAILURE
-            messages = [entry.message for entry in instance.all_logs(lost_snapshot.run_id)]
-            timed_out = f"maximum runtime of {SNAPSHOT_MAX_RUNTIME_SECONDS} seconds"
-            assert any(timed_out in message for message in messages), messages[-5:]
-            assert retried.dagster_run.tags["dagster/retry_number"] == "1", retried.dagster_run.tags
-            (retried_backfill_run,) = wait_for(
-                "the lost backfill run failed at the instance's max runtime, then retried and succeeded",
-                lambda: backfill_runs(DagsterRunStatus.SUCCESS, **{"dagster/parent_run_id": lost_backfill.run_id}),
-                240, log,
-            )  # fmt: skip
-            assert instance.get_run_by_id(lost_backfill.run_id).status == DagsterRunStatus.FAILURE
-            messages = [entry.message for entry in instance.all_logs(lost_backfill.run_id)]
-            timed_out = f"maximum runtime of {DEFAULT_MAX_RUNTIME_SECONDS} seconds"
-            assert any(timed_out in message for message in messages), messages[-5:]
-            assert retried_backfill_run.dagster_run.tags["dagster/retry_number"] == "1"
+
+            def ended_at_its_bound_then_retried(lost: DagsterRun, matching: Callable, bound: int) -> None:
+                (retried,) = wait_for(
+                    f"the lost run {lost.run_id} failed at its max runtime ({bound} s), then retried and succeeded",
+                    lambda: matching(DagsterRunStatus.SUCCESS, **{"dagster/parent_run_id": lost.run_id}), 240, log,
+                )  # fmt: skip
+                assert instance.get_run_by_id(lost.run_id).status == DagsterRunStatus.FAILURE
+                messages = [entry.message for entry in instance.all_logs(lost.run_id)]
+                assert any(f"maximum runtime of {bound} seconds" in message for message in messages), messages[-5:]
+                assert retried.dagster_run.tags["dagster/retry_number"] == "1", retried.dagster_run.tags
+
+            ended_at_its_bound_then_retried(lost_snapshot, snapshot_runs, SNAPSHOT_MAX_RUNTIME_SECONDS)
+            # the backfill's run at the instance's default bound: it carries none of its own
+            ended_at_its_bound_then_retried(lost_backfill, backfill_runs, DEFAULT_MAX_RUNTIME_SECONDS)
             wait_for(
                 "the backfill completed",
                 lambda: instance.get_backfill(backfill_id).status == BulkActionStatus.COMPLETED_SUCCESS, 120, log,
