@@ -75,6 +75,8 @@ RETRY = RetryPolicy(max_retries=3, delay=5)
 # and that a run's driver is warm and waits for the lake-write pool (the run holding it then ends after its batch)
 ENDS_AT_TAG = "cdc/stream_ends_at"
 READY_TAG = "cdc/ready_to_take_over"
+MAX_RUNTIME_TAG = "dagster/max_runtime"  # read by Dagster's run monitor (run_monitoring in the instance's dagster.yaml)
+MAX_RETRIES_TAG = "dagster/max_retries"  # read by the daemon's automatic run retries (run_retries in dagster.yaml)
 HANDOFF_POLL_SECONDS = 0.5
 
 

@@ -13,7 +13,7 @@ input fails with a message naming the field and the allowed values; nothing move
 
 from dagster import AssetMaterialization, Config, JobDefinition, OpExecutionContext, job, op
 
-from cdc_assets.assets import change_offset_job_name, lake_pool, stream_asset_key
+from cdc_assets.assets import MAX_RETRIES_TAG, change_offset_job_name, lake_pool, stream_asset_key
 from cdc_assets.dialect import OffsetError
 
 __all__ = ["ChangeOffsetConfig", "OffsetError", "build_change_offset_job"]
@@ -53,7 +53,7 @@ def build_change_offset_job(source_name: str) -> JobDefinition:
     @job(
         name=change_offset_job_name(source_name),
         description="Validate and record a new stream offset (DDD-4).",
-        tags={"dagster/max_retries": "0"},
+        tags={MAX_RETRIES_TAG: "0"},
     )
     def change_offset_job() -> None:
         change_offset()

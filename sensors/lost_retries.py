@@ -29,6 +29,11 @@ PARENT_RUN_ID_TAG = "dagster/parent_run_id"
 # the daemon's retry consumer looks every 5 s: a failed run still without its retry after 10 minutes has lost it
 LOST_RETRY_AFTER_SECONDS = 600
 LOOK_BACK_SECONDS = 7 * 24 * 3600
+LOST_RETRY_MESSAGE = (
+    f"Dagster's daemon did not launch this run's automatic retry within {LOST_RETRY_AFTER_SECONDS} s of its failure "
+    "(a race in its retry consumer; docs/known-limits.md): marked as not to be retried, so a backfill it belongs to "
+    "ends instead of waiting for good. Re-execute it (or its backfill) from failure."
+)
 
 
 def of_source(run: DagsterRun, source_name: str) -> bool:
@@ -65,14 +70,6 @@ def give_up_lost_retries(instance: DagsterInstance, source_name: str, now: float
     given_up = []
     for run in lost_retries(instance, source_name, now):
         instance.add_run_tags(run.run_id, {WILL_RETRY_TAG: "false"})
-        instance.report_engine_event(lost_retry_message(), run)
+        instance.report_engine_event(LOST_RETRY_MESSAGE, run)
         given_up.append(run.run_id)
     return given_up
-
-
-def lost_retry_message() -> str:
-    return (
-        f"Dagster's daemon did not launch this run's automatic retry within {LOST_RETRY_AFTER_SECONDS} s of its "
-        "failure (a race in its retry consumer; docs/known-limits.md): marked as not to be retried, so a backfill "
-        "it belongs to ends instead of waiting for good. Re-execute it (or its backfill) from failure."
-    )

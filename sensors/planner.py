@@ -55,6 +55,8 @@ from dagster import (
 
 from cdc_assets.assets import (
     CAPTURED_CHECK_NAME,
+    MAX_RETRIES_TAG,
+    MAX_RUNTIME_TAG,
     chunk_partitions,
     skipped_table_evaluation,
     table_asset_key,
@@ -63,8 +65,7 @@ from cdc_assets.config import SourceConfig
 from cdc_assets.engine.chunks import chunk_partition_key
 from cdc_assets.engine.partitions import repartition_reason
 from resources.cdc import CdcResource
-from sensors.lost_retries import give_up_lost_retries, lost_retry_message
-from sensors.stream import MAX_RETRIES_TAG, MAX_RUNTIME_TAG
+from sensors.lost_retries import LOST_RETRY_MESSAGE, give_up_lost_retries
 
 RANGE_START = "dagster/asset_partition_range_start"
 RANGE_END = "dagster/asset_partition_range_end"
@@ -154,7 +155,7 @@ def build_planner_sensor(source_name: str, table_names: list[str], interval_seco
                 indexes = sorted(c.index for c in plan.chunks if c.partition_key in new_keys)
                 requests += _snapshot_requests(source, name, indexes, "initial", "initial snapshot")
         for run_id in give_up_lost_retries(context.instance, source_name, time.time()):
-            context.log.warning(f"source {source_name}: run {run_id}: {lost_retry_message()}")
+            context.log.warning(f"source {source_name}: run {run_id}: {LOST_RETRY_MESSAGE}")
         if requests and source.snapshot_run_retries and not context.instance.run_retries_enabled:
             context.log.warning(
                 f"source {source_name}: snapshot_run_retries is {source.snapshot_run_retries}, but this Dagster "

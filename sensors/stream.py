@@ -51,6 +51,8 @@ from cdc_assets.assets import (
     ACTIVE_RUN_STATUSES,
     ENDS_AT_TAG,
     LAG_CHECK_NAME,
+    MAX_RETRIES_TAG,
+    MAX_RUNTIME_TAG,
     lag_evaluation,
     lag_metadata,
     stream_asset_key,
@@ -61,8 +63,6 @@ from cdc_assets.deadline import NoAnswer, within
 from cdc_assets.source import SourceLag
 from resources.cdc import CdcResource
 
-MAX_RUNTIME_TAG = "dagster/max_runtime"  # read by Dagster's run monitor (run_monitoring in the instance's dagster.yaml)
-MAX_RETRIES_TAG = "dagster/max_retries"  # read by the daemon's automatic run retries (run_retries in dagster.yaml)
 PRIORITY_TAG = "dagster/priority"  # read by Dagster's queued run coordinator: higher values leave the queue first
 # in the demo (2026-12-05) a stream run waited 134 s in the queue behind two check runs launched by hand, and a slot
 # freed meanwhile went to a check run queued before it
