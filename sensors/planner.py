@@ -30,8 +30,9 @@ must be enabled, else the planner warns when it requests runs), and its run moni
 machine): it would otherwise stay STARTED, hold a run slot and leave its chunks unread for good. Reading a chunk
 again is safe (its earlier window is superseded); a run key is still requested once.
 
-Lost retries: every evaluation gives up the source's failed runs whose automatic retry Dagster's daemon never
-launched (``sensors.lost_retries``), so a backfill they belong to ends instead of waiting for good.
+Lost retries: every evaluation requests the retry Dagster's daemon never launched for a failed run of the source's
+tables, as Dagster would have made it (in its backfill, counted against its ``dagster/max_retries``), and gives up
+one it cannot request (its backfill ended), so a backfill ends instead of waiting for good (``sensors.lost_retries``).
 
 Skipped tables: every evaluation logs a warning per selected table that cannot be captured (``CdcSource.skipped``),
 names them in its skip reason, and records a failing ``table_is_captured`` check evaluation of the table's asset
@@ -65,7 +66,7 @@ from cdc_assets.config import SourceConfig
 from cdc_assets.engine.chunks import chunk_partition_key
 from cdc_assets.engine.partitions import repartition_reason
 from resources.cdc import CdcResource
-from sensors.lost_retries import LOST_RETRY_MESSAGE, give_up_lost_retries
+from sensors.lost_retries import GIVEN_UP_MESSAGE, RELAUNCH_REASON, RETRY_OF_LOST_RUN_TAG, settle_lost_retries
 
 RANGE_START = "dagster/asset_partition_range_start"
 RANGE_END = "dagster/asset_partition_range_end"
@@ -77,11 +78,13 @@ NO_SNAPSHOT_MODES = ("latest", "timestamp")
 
 
 def build_planner_sensor(source_name: str, table_names: list[str], interval_seconds: int) -> SensorDefinition:
+    table_keys = [table_asset_key(source_name, t) for t in table_names]
+
     @sensor(
         name=f"{source_name}_planner_sensor",
         minimum_interval_seconds=interval_seconds,
         default_status=DefaultSensorStatus.RUNNING,
-        asset_selection=AssetSelection.assets(*[table_asset_key(source_name, t) for t in table_names]),
+        asset_selection=AssetSelection.assets(*table_keys),
         required_resource_keys={"cdc"},
     )
     def planner(context: SensorEvaluationContext):
@@ -154,8 +157,14 @@ def build_planner_sensor(source_name: str, table_names: list[str], interval_seco
             if reads_tables:
                 indexes = sorted(c.index for c in plan.chunks if c.partition_key in new_keys)
                 requests += _snapshot_requests(source, name, indexes, "initial", "initial snapshot")
-        for run_id in give_up_lost_retries(context.instance, source_name, time.time()):
-            context.log.warning(f"source {source_name}: run {run_id}: {LOST_RETRY_MESSAGE}")
+        lost = settle_lost_retries(context.instance, source_name, table_keys, time.time())
+        for request in lost.requests:
+            context.log.warning(f"source {source_name}: run {request.tags[RETRY_OF_LOST_RUN_TAG]}: {RELAUNCH_REASON}")
+        for run_id, retry_id in lost.linked.items():
+            context.log.info(f"source {source_name}: run {run_id}: {RELAUNCH_REASON} as run {retry_id}")
+        for run_id in lost.given_up:
+            context.log.warning(f"source {source_name}: run {run_id}: {GIVEN_UP_MESSAGE}")
+        requests += lost.requests
         if requests and source.snapshot_run_retries and not context.instance.run_retries_enabled:
             context.log.warning(
                 f"source {source_name}: snapshot_run_retries is {source.snapshot_run_retries}, but this Dagster "

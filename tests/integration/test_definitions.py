@@ -11,6 +11,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime
@@ -23,16 +24,27 @@ from dagster import (
     AssetKey,
     DagsterEventType,
     DagsterInstance,
+    DagsterRun,
     DagsterRunStatus,
+    RunRequest,
     build_schedule_context,
     build_sensor_context,
     instance_for_test,
     materialize,
+    partition_loading_context,
 )
+from dagster._core.execution.backfill import BulkActionStatus, PartitionBackfill
 from dagster._core.instance.ref import InstanceRef
 from psycopg import sql
 
-from cdc_assets.assets import ENDS_AT_TAG, READY_TAG, lake_pool, recorded_offset, stream_asset_key
+from cdc_assets.assets import (
+    ENDS_AT_TAG,
+    READY_TAG,
+    chunk_partitions,
+    lake_pool,
+    recorded_offset,
+    stream_asset_key,
+)
 from cdc_assets.build import build_definitions
 from cdc_assets.engine.chunks import chunk_partition_key
 from cdc_assets.lake.layout import SourceLake
@@ -396,6 +408,54 @@ def test_planner_requests_initial_snapshot_runs_without_the_chunk_checks(config_
     with build_sensor_context(instance=retrying, resources=defs.resources, definitions=defs) as context:
         assert planner.evaluate_tick(context).run_requests
     assert warning not in capfd.readouterr().err
+
+
+def test_planner_requests_a_lost_retry_again_in_its_backfill_and_links_the_run_launched_for_it(
+    config_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A backfill's run of one chunk that failed "will retry" with no retry launched (Dagster's race, made by hand)
+    is requested again by the planner's tick, and Dagster's sensor evaluation accepts the request (its partition,
+    selection and tags); once a run of it exists, the next tick tags the failed run with it (``sensors.lost_retries``,
+    whose wait is set to 0 here)."""
+    import sensors.lost_retries as lost_retries
+
+    docs = AssetKey(["defs", "public", "docs"])
+    monkeypatch.setattr(lost_retries, "LOST_RETRY_AFTER_SECONDS", 0)
+    path, _ = config_path
+    defs = build_definitions(path)
+    planner = next(s for s in defs.sensors if s.name == "defs_planner_sensor")
+    with instance_for_test(overrides={"run_retries": {"enabled": True, "max_retries": 3}}) as instance:
+
+        def tick() -> list[RunRequest]:
+            # a request of one dynamic partition is checked against the instance's partitions: the daemon's context
+            # loads them through its instance's ref, a test's context needs them given
+            with (
+                build_sensor_context(instance=instance, resources=defs.resources, definitions=defs) as context,
+                partition_loading_context(dynamic_partitions_store=instance),
+            ):
+                return [r for r in planner.evaluate_tick(context).run_requests if r.run_key.startswith("lost-retry:")]
+
+        assert tick() == []
+        first_chunk = chunk_partition_key(0)
+        instance.add_dynamic_partitions(chunk_partitions("defs", "public.docs").name, [first_chunk])  # as the daemon
+        backfill = PartitionBackfill(backfill_id="lostretry", status=BulkActionStatus.REQUESTED, from_failure=False,
+                                     tags={}, backfill_timestamp=time.time(), asset_selection=[docs])  # fmt: skip
+        instance.add_backfill(backfill)
+        run = DagsterRun(job_name="__ASSET_JOB", run_id=str(uuid.uuid4()), asset_selection=frozenset({docs}),
+                         tags={"dagster/backfill": "lostretry", "dagster/partition": first_chunk})  # fmt: skip
+        instance.add_run(run)
+        instance.report_run_failed(run)
+        instance.add_run_tags(run.run_id, {"dagster/will_retry": "true"})
+
+        (request,) = tick()
+        assert request.run_key == f"lost-retry:{run.run_id}" and request.partition_key == first_chunk
+        assert request.asset_selection == [docs] and request.tags["dagster/backfill"] == "lostretry"
+        assert request.tags["dagster/max_retries"] == "2", request.tags  # the instance default of 3, less this retry
+        retry = DagsterRun(job_name="__ASSET_JOB", run_id=str(uuid.uuid4()), asset_selection=frozenset({docs}),
+                           tags=dict(request.tags))  # fmt: skip
+        instance.add_run(retry)
+        assert tick() == []
+        assert instance.get_run_by_id(run.run_id).tags["dagster/auto_retry_run_id"] == retry.run_id
 
 
 def test_planner_reads_every_chunk_again_when_a_column_with_a_default_is_added(config_path) -> None:
