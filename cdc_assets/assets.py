@@ -77,6 +77,9 @@ ENDS_AT_TAG = "cdc/stream_ends_at"
 READY_TAG = "cdc/ready_to_take_over"
 MAX_RUNTIME_TAG = "dagster/max_runtime"  # read by Dagster's run monitor (run_monitoring in the instance's dagster.yaml)
 MAX_RETRIES_TAG = "dagster/max_retries"  # read by the daemon's automatic run retries (run_retries in dagster.yaml)
+# a run of a range of chunk partitions (the planner's snapshot runs, the consistency sweep's check runs)
+RANGE_START_TAG = "dagster/asset_partition_range_start"
+RANGE_END_TAG = "dagster/asset_partition_range_end"
 HANDOFF_POLL_SECONDS = 0.5
 
 

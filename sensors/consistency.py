@@ -27,15 +27,20 @@ from dagster import (
     schedule,
 )
 
-from cdc_assets.assets import CHUNK_CHECK_NAME, chunk_partitions, table_asset_key, table_name_slug
+from cdc_assets.assets import (
+    CHUNK_CHECK_NAME,
+    RANGE_END_TAG,
+    RANGE_START_TAG,
+    chunk_partitions,
+    table_asset_key,
+    table_name_slug,
+)
 from cdc_assets.config import ConfigError
 from sensors.stream import PRIORITY_TAG
 
 if TYPE_CHECKING:
     from dagster._core.definitions.unresolved_asset_job_definition import UnresolvedAssetJobDefinition
 
-RANGE_START_TAG = "dagster/asset_partition_range_start"
-RANGE_END_TAG = "dagster/asset_partition_range_end"
 # below every other run in the queue: a check waits for the stream to pass its window, so a stream run (or a
 # snapshot) queued behind a day's worth of checks would make them inconclusive; the instance's
 # tag_concurrency_limits can bound how many run at once (dagster_home/dagster.yaml: one)

@@ -58,6 +58,8 @@ from cdc_assets.assets import (
     CAPTURED_CHECK_NAME,
     MAX_RETRIES_TAG,
     MAX_RUNTIME_TAG,
+    RANGE_END_TAG,
+    RANGE_START_TAG,
     chunk_partitions,
     skipped_table_evaluation,
     table_asset_key,
@@ -68,8 +70,6 @@ from cdc_assets.engine.partitions import repartition_reason
 from resources.cdc import CdcResource
 from sensors.lost_retries import GIVEN_UP_MESSAGE, RELAUNCH_REASON, RETRY_OF_LOST_RUN_TAG, settle_lost_retries
 
-RANGE_START = "dagster/asset_partition_range_start"
-RANGE_END = "dagster/asset_partition_range_end"
 # cursor keys that are no table name (a qualified name always holds a '.')
 SKIPPED_KEY = "~skipped"
 PARTITIONS_KEY = "~partitions"
@@ -208,7 +208,12 @@ def _snapshot_requests(source: SourceConfig, name: str, indexes: list[int], kind
                 # not the chunk checks: they take one chunk each, and a freshly staged chunk is not reconciled yet
                 # (run them once the stream has passed its window)
                 asset_check_keys=[],
-                tags={RANGE_START: first, RANGE_END: last, "cdc/reason": reason[:200], **snapshot_run_tags(source)},
+                tags={
+                    RANGE_START_TAG: first,
+                    RANGE_END_TAG: last,
+                    "cdc/reason": reason[:200],
+                    **snapshot_run_tags(source),
+                },
             )
         )
     return requests

@@ -39,6 +39,8 @@ from psycopg import sql
 
 from cdc_assets.assets import (
     ENDS_AT_TAG,
+    RANGE_END_TAG,
+    RANGE_START_TAG,
     READY_TAG,
     chunk_partitions,
     lake_pool,
@@ -54,7 +56,7 @@ from cdc_assets.sources.postgres.dialect import validate_postgres_offset
 from cdc_assets.sources.postgres.lsn import format_lsn, parse_lsn
 from cdc_assets.sources.postgres.stream import slot_position
 from resources.cdc import CdcResource
-from sensors.consistency import RANGE_END_TAG, RANGE_START_TAG, check_job_name, sweep_name
+from sensors.consistency import check_job_name, sweep_name
 from sensors.stream import build_stream_sensor
 from tests.integration.support import PG_PORT, READER_PASSWORD, create_source, drop_source
 
