@@ -20,8 +20,8 @@ that failed more than ``LOOK_BACK_SECONDS`` ago are not looked at; all pages of 
   is still in progress, is requested again (``relaunch_request``): the same selection, partition and tags as the
   retry Dagster would have made (its backfill's tags, ``dagster/parent_run_id``, ``dagster/root_run_id``,
   ``dagster/retry_number``; its ``dagster/max_retries`` is what the run's group has left, so Dagster retries it in
-  turn within the same budget),
-  with run key ``lost-retry:<run id>``, so it is launched once whatever the number of evaluations;
+  turn within the same budget), with run key ``lost-retry:<run id>``, so it is launched once whatever the number of
+  evaluations;
 - any other lost run (one whose backfill was canceled or deleted, one of another job) is given up: tagged
   ``dagster/will_retry: false`` with an engine event saying why and to re-execute it from failure; a backfill then
   ends with its chunks failed instead of waiting.
@@ -53,8 +53,8 @@ RETRY_OF_LOST_RUN_TAG = "cdc/retry_of_lost_run"
 # sensor daemon writes for the run it launches
 NOT_CARRIED_TAGS = frozenset({
     WILL_RETRY_TAG, AUTO_RETRY_RUN_ID_TAG, PARENT_RUN_ID_TAG, ROOT_RUN_ID_TAG, RETRY_NUMBER_TAG, PARTITION_TAG,
-    "dagster/failure_reason", "dagster/is_resume_retry", "dagster/run_metrics",
-    "dagster/sensor_name", "dagster/run_key", "dagster/tick", "dagster/schedule_name", "dagster/user",
+    "dagster/failure_reason", "dagster/is_resume_retry", "dagster/is_asset_resume_retry", "dagster/run_metrics",
+    "dagster/sensor_name", "dagster/run_key", "dagster/tick", "dagster/schedule_name",
 })  # fmt: skip
 # the daemon's retry consumer looks every 5 s: a failed run still without its retry after 10 minutes has lost it
 LOST_RETRY_AFTER_SECONDS = 600
