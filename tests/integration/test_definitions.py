@@ -21,6 +21,7 @@ import psycopg
 import pytest
 from dagster import (
     AssetCheckEvaluation,
+    AssetCheckKey,
     AssetKey,
     DagsterEventType,
     DagsterInstance,
@@ -443,7 +444,9 @@ def test_planner_requests_a_lost_retry_again_in_its_backfill_and_links_the_run_l
         backfill = PartitionBackfill(backfill_id="lostretry", status=BulkActionStatus.REQUESTED, from_failure=False,
                                      tags={}, backfill_timestamp=time.time(), asset_selection=[docs])  # fmt: skip
         instance.add_backfill(backfill)
+        check = AssetCheckKey(docs, "chunk_matches_source")  # a backfill's run of a chunk runs its check too
         run = DagsterRun(job_name="__ASSET_JOB", run_id=str(uuid.uuid4()), asset_selection=frozenset({docs}),
+                         asset_check_selection=frozenset({check}),
                          tags={"dagster/backfill": "lostretry", "dagster/partition": first_chunk})  # fmt: skip
         instance.add_run(run)
         instance.report_run_failed(run)
@@ -451,7 +454,8 @@ def test_planner_requests_a_lost_retry_again_in_its_backfill_and_links_the_run_l
 
         (request,) = tick()
         assert request.run_key == f"lost-retry:{run.run_id}" and request.partition_key == first_chunk
-        assert request.asset_selection == [docs] and request.tags["dagster/backfill"] == "lostretry"
+        assert request.asset_selection == [docs] and request.asset_check_keys == [check]
+        assert request.tags["dagster/backfill"] == "lostretry"
         assert request.tags["dagster/max_retries"] == "2", request.tags  # the instance default of 3, less this retry
         retry = DagsterRun(job_name="__ASSET_JOB", run_id=str(uuid.uuid4()), asset_selection=frozenset({docs}),
                            tags=dict(request.tags))  # fmt: skip
