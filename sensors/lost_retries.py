@@ -2,15 +2,20 @@
 
 Dagster's daemon retries a failed run (``run_retries`` in the instance's ``dagster.yaml``) when its retry consumer
 reads the run's failure event; the run is tagged ``dagster/will_retry: true`` when it fails, and
-``dagster/auto_retry_run_id`` once its retry is launched. The consumer can pass the event without launching one (a
-race inside Dagster 1.13, dagster-io/dagster#33741; seen in the demo of 2026-12-06 on one of two backfill runs
-killed by SIGKILL). Such a run stays "will retry" for good, its chunks stay unread, and a backfill it belongs to
-stays in progress for good, logging "retries have not been launched" every 30 s.
+``dagster/auto_retry_run_id`` once its retry is launched. The consumer can pass the event without launching one
+(dagster-io/dagster#33741; seen in the demo and in CI on 2026-12-06): Dagster 1.13 stores the failure event first,
+then marks the run failed, then tags it. A consumer pass between the first two writes finds the run not failed, does
+not retry it, and moves its cursor past the event for good. Such a run stays "will retry" for good, its chunks stay
+unread, and a backfill it belongs to stays in progress for good, logging "retries have not been launched" every 30 s.
 
 Contract: ``settle_lost_retries(instance, source_name, table_keys, now)`` looks at the failed runs of the source's
 assets (a selected asset or check key whose first part is the source's name) tagged ``dagster/will_retry: true``
-that carry no ``dagster/auto_retry_run_id`` and ended at least ``LOST_RETRY_AFTER_SECONDS`` before ``now`` (runs
-that failed more than ``LOOK_BACK_SECONDS`` ago are not looked at; all pages of them are read):
+that carry no ``dagster/auto_retry_run_id`` (runs that failed more than ``LOOK_BACK_SECONDS`` ago are not looked
+at; all pages of them are read). Such a run's retry is lost once the consumer has passed its failure event: its
+cursor, read before the runs are, is at or past the event (the consumer writes a retry's tag before it moves its
+cursor, so a run read afterwards without one was not retried). On an instance whose consumer never ran (no cursor;
+when it starts, it skips every earlier failure) a run's retry is lost once it ended ``LOST_RETRY_AFTER_SECONDS``
+before ``now``. Of the runs whose retry is lost:
 
 - a run with a run naming it as ``dagster/parent_run_id`` is not lost (a re-execution by hand, or Dagster's retry
   launched late), unless that run is the retry this module requested (tagged ``RETRY_OF_LOST_RUN_TAG``): then the
@@ -36,8 +41,19 @@ from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
-from dagster import AssetKey, DagsterInstance, DagsterRun, DagsterRunStatus, RunRecord, RunRequest, RunsFilter
+from dagster import (
+    AssetKey,
+    DagsterEventType,
+    DagsterInstance,
+    DagsterRun,
+    DagsterRunStatus,
+    RunRecord,
+    RunRequest,
+    RunsFilter,
+    RunStatusChangeRecordsFilter,
+)  # fmt: skip
 from dagster._core.execution.backfill import BulkActionStatus
+from dagster._daemon.auto_run_reexecution.event_log_consumer import _create_cursor_key
 
 from cdc_assets.assets import MAX_RETRIES_TAG
 
@@ -56,18 +72,24 @@ NOT_CARRIED_TAGS = frozenset({
     "dagster/failure_reason", "dagster/is_resume_retry", "dagster/is_asset_resume_retry", "dagster/run_metrics",
     "dagster/sensor_name", "dagster/run_key", "dagster/tick", "dagster/schedule_name",
 })  # fmt: skip
-# the daemon's retry consumer looks every 5 s: a failed run still without its retry after 10 minutes has lost it
+# the key under which Dagster's retry consumer keeps its cursor over failure events (its own name for it)
+RETRY_CONSUMER_CURSOR_KEY = _create_cursor_key(DagsterEventType.RUN_FAILURE)
+# on an instance whose retry consumer never ran: it looks every 5 s, so a failed run still without its retry after
+# 10 minutes has lost it
 LOST_RETRY_AFTER_SECONDS = 600
+# a run's failure event is stamped by the process that reported it, its record's times by the storage: the events
+# looked at begin this long before the earliest run was created, whatever the two clocks' difference
+CLOCK_MARGIN_SECONDS = 3600
 LOOK_BACK_SECONDS = 7 * 24 * 3600
 PAGE_SIZE = 100
 LOST_RETRY_MESSAGE = (
-    f"Dagster's daemon did not launch this run's automatic retry within {LOST_RETRY_AFTER_SECONDS} s of its failure "
-    "(a race in its retry consumer; docs/known-limits.md)"
+    "Dagster's daemon passed this run's failure without launching its automatic retry (a race in its retry "
+    "consumer; docs/known-limits.md)"
 )
 GIVEN_UP_MESSAGE = (
-    f"{LOST_RETRY_MESSAGE}, and it cannot be requested again from the planner sensor (its backfill ended, or it ran "
-    "a job of its own): marked as not to be retried, so a backfill it belongs to ends instead of waiting for good. "
-    "Re-execute it (or its backfill) from failure."
+    "Dagster's daemon passed this run's failure without launching its automatic retry, and the planner sensor cannot "
+    "request it again (its backfill ended, or it ran assets the planner does not own): marked as not to be retried, "
+    "so a backfill it belongs to ends instead of waiting for good. Re-execute it (or its backfill) from failure."
 )
 RELAUNCH_REASON = f"{LOST_RETRY_MESSAGE}: requested again by the planner sensor"
 
@@ -107,15 +129,54 @@ def failed_runs_waiting_to_retry(instance: DagsterInstance, now: float) -> Itera
         cursor = page[-1].dagster_run.run_id
 
 
+def retry_consumer_cursor(instance: DagsterInstance) -> int | None:
+    """The storage id up to which Dagster's retry consumer has read failure events (None: it never ran here)."""
+    raw = instance.daemon_cursor_storage.get_cursor_values({RETRY_CONSUMER_CURSOR_KEY}).get(RETRY_CONSUMER_CURSOR_KEY)
+    return None if raw is None else int(raw)
+
+
+def failures_read_by_retry_consumer(instance: DagsterInstance, consumer_cursor: int, since: float) -> set[str]:
+    """The ids of the runs whose failure event, stored after ``since``, is at or before ``consumer_cursor``: the
+    failures Dagster's retry consumer has passed, every page of them."""
+    passed: set[str] = set()
+    cursor = None
+    while True:
+        result = instance.fetch_run_status_changes(
+            RunStatusChangeRecordsFilter(
+                DagsterEventType.RUN_FAILURE, after_timestamp=since, before_storage_id=consumer_cursor + 1
+            ),
+            limit=PAGE_SIZE,
+            cursor=cursor,
+            ascending=True,
+        )
+        passed.update(record.run_id for record in result.records)
+        if not result.has_more:
+            return passed
+        cursor = result.cursor
+
+
 def lost_retries(instance: DagsterInstance, source_name: str, now: float) -> list[tuple[DagsterRun, DagsterRun | None]]:
-    """The source's failed runs whose automatic retry Dagster never launched, each with the retry this module
+    """The source's failed runs whose automatic retry Dagster will never launch, each with the retry this module
     requested for it when one exists (module Contract)."""
+    consumer_cursor = retry_consumer_cursor(instance)  # before the runs: a retry's tag is written before it moves
+    waiting = [
+        record for record in failed_runs_waiting_to_retry(instance, now) if of_source(record.dagster_run, source_name)
+    ]
+    if not waiting:
+        return []
+    if consumer_cursor is None:
+        passed = {
+            record.dagster_run.run_id
+            for record in waiting
+            if record.end_time is not None and now - record.end_time >= LOST_RETRY_AFTER_SECONDS
+        }
+    else:
+        since = min(record.create_timestamp.timestamp() for record in waiting) - CLOCK_MARGIN_SECONDS
+        passed = failures_read_by_retry_consumer(instance, consumer_cursor, since)
     lost = []
-    for record in failed_runs_waiting_to_retry(instance, now):
+    for record in waiting:
         run = record.dagster_run
-        if not of_source(run, source_name):
-            continue
-        if record.end_time is None or now - record.end_time < LOST_RETRY_AFTER_SECONDS:
+        if run.run_id not in passed:
             continue
         children = instance.get_runs(RunsFilter(tags={PARENT_RUN_ID_TAG: run.run_id}), limit=10)
         ours = next((child for child in children if child.tags.get(RETRY_OF_LOST_RUN_TAG) == run.run_id), None)

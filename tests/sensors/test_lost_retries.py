@@ -1,8 +1,10 @@
-"""``sensors.lost_retries`` on a real (ephemeral) Dagster instance: a failed run tagged ``dagster/will_retry: true``
-whose retry was never launched is requested again after ``LOST_RETRY_AFTER_SECONDS`` as the retry Dagster would have
-made, linked to that retry once it exists, or given up when its backfill ended; a run that was retried, re-executed,
-failed too recently or belongs to another source is left alone. The race that loses a retry cannot be caused at
-will, so the lost run is made the way the demo of 2026-12-06 left one: failed, tagged, and no retry launched."""
+"""``sensors.lost_retries`` on a real Dagster instance: a failed run tagged ``dagster/will_retry: true`` whose retry
+was never launched is requested again as the retry Dagster would have made, linked to that retry once it exists, or
+given up when its backfill ended; a run that was retried, re-executed, still waiting for Dagster's retry consumer or
+of another source is left alone. The race that loses a retry is caused at will in the first test (Dagster's own
+retry consumer run between the two writes of a run's failure); the others make the lost run the way the demo of
+2026-12-06 left one (failed, tagged, no retry) on an instance whose consumer never ran, where the wait
+``LOST_RETRY_AFTER_SECONDS`` decides."""
 
 from __future__ import annotations
 
@@ -10,8 +12,19 @@ import time
 import uuid
 
 import pytest
-from dagster import AssetCheckKey, AssetKey, DagsterEventType, DagsterInstance, DagsterRun, RunRequest
+from dagster import (
+    AssetCheckKey,
+    AssetKey,
+    DagsterEventType,
+    DagsterInstance,
+    DagsterRun,
+    DagsterRunStatus,
+    RunRequest,
+)  # fmt: skip
 from dagster._core.execution.backfill import BulkActionStatus, PartitionBackfill
+from dagster._core.test_utils import create_test_daemon_workspace_context, instance_for_test
+from dagster._core.workspace.load_target import EmptyWorkspaceTarget
+from dagster._daemon.auto_run_reexecution.event_log_consumer import EventLogConsumerDaemon
 
 import sensors.lost_retries as lost_retries_module
 from sensors.lost_retries import (
@@ -69,6 +82,54 @@ def launch(instance: DagsterInstance, request: RunRequest) -> DagsterRun:
 
 def messages(instance: DagsterInstance, run_id: str) -> list[str]:
     return [e.message or "" for e in instance.all_logs(run_id, of_type=DagsterEventType.ENGINE_EVENT)]
+
+
+def test_a_retry_lost_in_dagsters_race_is_requested_at_the_next_tick_and_one_still_waiting_is_not(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The loss, caused: Dagster stores a run's failure event, then marks the run failed, then tags it "will retry".
+    Its retry consumer (a thread of the same daemon), run between the first two writes, reads the event, finds the
+    run not failed, and moves its cursor past the event for good: the run ends "will retry" with no retry. The
+    planner sees the consumer's cursor past the failure and requests the retry at once; a failure the consumer has
+    not read yet is its to retry, however long ago the run failed."""
+    settings = {"run_retries": {"enabled": True, "max_retries": 3}}
+    with (
+        instance_for_test(overrides=settings) as instance,
+        create_test_daemon_workspace_context(EmptyWorkspaceTarget(), instance) as workspace,
+    ):
+        consumer = EventLogConsumerDaemon()
+
+        def consume() -> None:
+            list(consumer.run_iteration(workspace))
+
+        consume()  # its first pass puts its cursor at the end of the log
+        monkeypatch.setattr(lost_retries_module, "PAGE_SIZE", 2)  # the failures the consumer read, over pages
+        for _ in range(3):
+            failed_run(instance, asset=AssetKey(["shop", "public", "orders"]))
+        consume()
+        run = DagsterRun(job_name="__ASSET_JOB", run_id=str(uuid.uuid4()), asset_selection=frozenset({ORDERS}),
+                         status=DagsterRunStatus.STARTED)  # fmt: skip
+        instance.add_run(run)
+        mark_run = instance.run_storage.handle_run_event
+
+        def consumer_between_the_event_and_the_run(run_id: str, event, *args, **kwargs) -> None:
+            if event.event_type == DagsterEventType.RUN_FAILURE:
+                consume()
+            mark_run(run_id, event, *args, **kwargs)
+
+        with monkeypatch.context() as race:
+            race.setattr(instance.run_storage, "handle_run_event", consumer_between_the_event_and_the_run)
+            instance.report_run_failed(run)
+        consume()  # later passes do not come back to it
+        lost = instance.get_run_by_id(run.run_id)
+        assert lost.status == DagsterRunStatus.FAILURE and lost.tags[WILL_RETRY_TAG] == "true", lost.tags
+        assert AUTO_RETRY_RUN_ID_TAG not in lost.tags and lost.is_complete_and_waiting_to_retry  # Dagster lost it
+
+        waiting = failed_run(instance)  # failed the ordinary way: its event is after the consumer's cursor
+        ended = instance.get_run_record_by_id(waiting.run_id).end_time
+        settled = settle_lost_retries(instance, "demo", TABLES, ended + LOST_RETRY_AFTER_SECONDS + 5)
+        assert [request.tags[RETRY_OF_LOST_RUN_TAG] for request in settled.requests] == [run.run_id]
+        assert settle_lost_retries(instance, "demo", TABLES, time.time()).requests == settled.requests
 
 
 def test_a_lost_retry_is_requested_as_dagsters_would_be_then_linked_to_the_run_launched_for_it() -> None:
