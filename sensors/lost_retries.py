@@ -53,7 +53,6 @@ from dagster import (
     RunStatusChangeRecordsFilter,
 )  # fmt: skip
 from dagster._core.execution.backfill import BulkActionStatus
-from dagster._daemon.auto_run_reexecution.event_log_consumer import _create_cursor_key
 
 from cdc_assets.assets import MAX_RETRIES_TAG
 
@@ -72,8 +71,10 @@ NOT_CARRIED_TAGS = frozenset({
     "dagster/failure_reason", "dagster/is_resume_retry", "dagster/is_asset_resume_retry", "dagster/run_metrics",
     "dagster/sensor_name", "dagster/run_key", "dagster/tick", "dagster/schedule_name",
 })  # fmt: skip
-# the key under which Dagster's retry consumer keeps its cursor over failure events (its own name for it)
-RETRY_CONSUMER_CURSOR_KEY = _create_cursor_key(DagsterEventType.RUN_FAILURE)
+# the key under which Dagster's retry consumer keeps its cursor over failure events, as Dagster 1.13 names it
+# (written out, not imported from Dagster's private module: a rename there must not stop the definitions loading;
+# tests/sensors/test_lost_retries.py checks it against Dagster's own)
+RETRY_CONSUMER_CURSOR_KEY = f"EVENT_LOG_CONSUMER_CURSOR-{DagsterEventType.RUN_FAILURE.value}"
 # on an instance whose retry consumer never ran: it looks every 5 s, so a failed run still without its retry after
 # 10 minutes has lost it
 LOST_RETRY_AFTER_SECONDS = 600

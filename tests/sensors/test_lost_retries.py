@@ -24,7 +24,7 @@ from dagster import (
 from dagster._core.execution.backfill import BulkActionStatus, PartitionBackfill
 from dagster._core.test_utils import create_test_daemon_workspace_context, instance_for_test
 from dagster._core.workspace.load_target import EmptyWorkspaceTarget
-from dagster._daemon.auto_run_reexecution.event_log_consumer import EventLogConsumerDaemon
+from dagster._daemon.auto_run_reexecution.event_log_consumer import EventLogConsumerDaemon, _create_cursor_key
 
 import sensors.lost_retries as lost_retries_module
 from sensors.lost_retries import (
@@ -32,6 +32,7 @@ from sensors.lost_retries import (
     BACKFILL_TAG,
     LOST_RETRY_AFTER_SECONDS,
     PARENT_RUN_ID_TAG,
+    RETRY_CONSUMER_CURSOR_KEY,
     RETRY_NUMBER_TAG,
     RETRY_OF_LOST_RUN_TAG,
     ROOT_RUN_ID_TAG,
@@ -103,6 +104,8 @@ def test_a_retry_lost_in_dagsters_race_is_requested_at_the_next_tick_and_one_sti
             list(consumer.run_iteration(workspace))
 
         consume()  # its first pass puts its cursor at the end of the log
+        assert RETRY_CONSUMER_CURSOR_KEY == _create_cursor_key(DagsterEventType.RUN_FAILURE)  # the key it keeps it in
+        assert instance.daemon_cursor_storage.get_cursor_values({RETRY_CONSUMER_CURSOR_KEY})
         monkeypatch.setattr(lost_retries_module, "PAGE_SIZE", 2)  # the failures the consumer read, over pages
         for _ in range(3):
             failed_run(instance, asset=AssetKey(["shop", "public", "orders"]))
