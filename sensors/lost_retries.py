@@ -51,7 +51,7 @@ from dagster import (
     RunRequest,
     RunsFilter,
     RunStatusChangeRecordsFilter,
-)  # fmt: skip
+)
 from dagster._core.execution.backfill import BulkActionStatus
 
 from cdc_assets.assets import MAX_RETRIES_TAG

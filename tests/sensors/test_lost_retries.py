@@ -20,7 +20,7 @@ from dagster import (
     DagsterRun,
     DagsterRunStatus,
     RunRequest,
-)  # fmt: skip
+)
 from dagster._core.execution.backfill import BulkActionStatus, PartitionBackfill
 from dagster._core.test_utils import create_test_daemon_workspace_context, instance_for_test
 from dagster._core.workspace.load_target import EmptyWorkspaceTarget
