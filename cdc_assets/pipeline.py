@@ -687,8 +687,10 @@ class CdcPipeline(Generic[TableT]):
             window_log.record(spark, self.lake.windows, RECONCILED, windows, counts, staged=unrecorded)
             unrecorded = []
             events += [WindowEvent(RECONCILED, w) for w in windows]
+            # a reconciled chunk's marker is removed below with the other stale ones, only if written before the log
+            # was read: one written since may be another window of the same chunk, staged after the read (a
+            # backfill's and a planner's run of one chunk), which no later batch would be asked for on an idle source
             for r in results:
-                self.lake.clear_waiting(r.table, r.chunk)
                 if r.chunk == FILL_CHUNK:  # not a chunk of the table's asset
                     filled.add(r.table)
                     continue

@@ -14,7 +14,9 @@ Contract (``<lake_root>/<source>/``):
   log by the stream (see ``cdc_assets.lake.windows``).
 - ``_cdc/waiting/<qualified>@<chunk>.hw``: one small file per staged, not yet reconciled chunk holding its
   high watermark, so the streaming sensor can see that a window may close without starting Spark. Markers are
-  hints: the window log is the truth, and the stream batch rewrites the markers from it.
+  hints: the window log is the truth, and the stream batch rewrites the markers from it. A batch removes only the
+  markers written before it read the log, of chunks with no window left open: a marker written since may be another
+  window of the same chunk, staged after that read (two runs of one chunk), which the next batch reconciles.
 - ``_cdc/waiting-checks/<token>.hw``: the high watermark of a consistency check waiting for the stream (written
   and removed by the check; one older than ``CHECK_MARKER_SECONDS``, left by a killed check, is ignored and
   removed), so that a source nobody writes to still gets the batch that passes it.
@@ -136,9 +138,6 @@ class SourceLake:
 
     def mark_waiting(self, qualified_name: str, chunk: int, high_watermark: int) -> None:
         _write_marker(self._marker(qualified_name, chunk), high_watermark)
-
-    def clear_waiting(self, qualified_name: str, chunk: int) -> None:
-        self._marker(qualified_name, chunk).unlink()
 
     def waiting_markers(self) -> dict[tuple[str, int], int]:
         markers: dict[tuple[str, int], int] = {}

@@ -15,6 +15,7 @@ every mirror exact) runs on a Spark standalone cluster: ``tests/integration/test
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pymongo
@@ -52,7 +53,7 @@ def test_a_source_lakes_control_files_on_s3(s3_lake: str) -> None:
     lake.mark_waiting("public.t", 1, 500)
     lake.mark_waiting('odd."name"', 0, 700)
     assert lake.waiting_markers() == {("public.t", 1): 500, ('odd."name"', 0): 700}
-    lake.clear_waiting("public.t", 1)
+    lake.clear_stale_markers({('odd."name"', 0)}, older_than=time.time() + 60)  # chunk 1 closed
     assert lake.waiting_markers() == {('odd."name"', 0): 700}
     lake.record_acknowledged(42)
     assert SourceLake.of_control(lake.control).acknowledged() == 42

@@ -3,7 +3,8 @@
 - snapshot of every chunk under a concurrent writer (inserts, updates, deletes, primary-key updates, SAVEPOINT /
   ROLLBACK TO, TOAST values left unchanged, one transaction open across several chunk windows): exact mirrors and
   a changelog without duplicates;
-- an idle table's chunk is reconciled without any write to the source;
+- an idle table's chunk is reconciled without any write to the source, also when a second run stages the same
+  chunk while a batch reconciles the first;
 - a transaction in the low watermark's ``xip`` whose commit record is already in the WAL (held by a synchronous
   standby) is applied by the stream and not overwritten by the read that could not see it;
 - runs killed (SIGKILL) before a window is recorded and after the lake commit but before the offset is recorded:
@@ -29,6 +30,7 @@ from pyspark.sql import functions as F
 
 from cdc_assets.config import CdcConfig
 from cdc_assets.dialect import Offset
+from cdc_assets.lake import windows as window_log
 from cdc_assets.lake.delta_tables import table_or_none
 from cdc_assets.source import StreamReport
 from cdc_assets.sources.postgres.pipeline import PostgresPipeline
@@ -222,6 +224,51 @@ def test_idle_table_chunk_is_reconciled_without_writes(source, spark) -> None:
     assert sorted((r["table"], r["chunk"]) for r in reconciled) == [("public.pairs", 0), ("public.pairs", 1)]
     assert sum(r["kept"] for r in reconciled) == report.rows
     assert not pipeline.lake.waiting_markers()
+    mirror = mirror_rows(spark, pipeline.lake.table("public.pairs").mirror, table)
+    assert mirror == source_rows(config.sources[0], table)
+
+
+def test_a_chunk_staged_again_while_a_batch_reconciles_it_keeps_its_marker_and_is_reconciled_next(
+    source, spark, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two runs of one chunk (a backfill's and a planner's, in the orphaned-run test of 2026-12-06): the second
+    stages its window just after a stream batch read the window log, and that batch reconciles the first window. On
+    an idle source nothing else asks for a batch, so the second window's marker must survive that batch: the
+    streaming sensor's ``pending_work`` then asks for the batch that reconciles it."""
+    _, _, config = source
+    pipeline = PostgresPipeline(config, config.sources[0])
+    table = pipeline.prepare()["public.pairs"]
+    recorded = catch_up(pipeline, spark, None)  # from now on nobody writes to this database
+    pipeline.snapshot(spark, table, [0], "first")
+
+    def flushed_past_markers() -> None:  # a batch then reads up to every marker's high watermark
+        for _ in range(100):
+            with pipeline.connect() as conn:
+                if all(hw <= current_flush_lsn(conn) for hw in pipeline.lake.waiting_markers().values()):
+                    return
+            time.sleep(0.1)
+        raise AssertionError(f"the flush LSN did not pass the markers {pipeline.lake.waiting_markers()}")
+
+    flushed_past_markers()
+    read_log = window_log.pending_staged
+    staged_again = []
+
+    def log_read_then_the_chunk_staged_again(*args, **kwargs):
+        pending = read_log(*args, **kwargs)
+        if not staged_again:
+            staged_again.append(pipeline.snapshot(spark, table, [0], "second"))
+        return pending
+
+    monkeypatch.setattr(window_log, "pending_staged", log_read_then_the_chunk_staged_again)
+    recorded, batch = stream_once(pipeline, spark, recorded)
+    monkeypatch.undo()
+    assert staged_again and [(r["table"], r["chunk"]) for r in batch.reconciled] == [("public.pairs", 0)], batch
+    assert set(pipeline.lake.waiting_markers()) == {("public.pairs", 0)}  # the second window's
+    flushed_past_markers()
+    assert pipeline.pending_work() == "a chunk window can close"  # what the streaming sensor asks
+    recorded, batch = stream_once(pipeline, spark, recorded)
+    assert [(r["table"], r["chunk"]) for r in batch.reconciled] == [("public.pairs", 0)] and batch.waiting_windows == 0
+    assert not pipeline.lake.waiting_markers() and pipeline.pending_work() is None
     mirror = mirror_rows(spark, pipeline.lake.table("public.pairs").mirror, table)
     assert mirror == source_rows(config.sources[0], table)
 
