@@ -687,9 +687,6 @@ class CdcPipeline(Generic[TableT]):
             window_log.record(spark, self.lake.windows, RECONCILED, windows, counts, staged=unrecorded)
             unrecorded = []
             events += [WindowEvent(RECONCILED, w) for w in windows]
-            # a reconciled chunk's marker is removed below with the other stale ones, only if written before the log
-            # was read: one written since may be another window of the same chunk, staged after the read (a
-            # backfill's and a planner's run of one chunk), which no later batch would be asked for on an idle source
             for r in results:
                 if r.chunk == FILL_CHUNK:  # not a chunk of the table's asset
                     filled.add(r.table)
@@ -717,6 +714,9 @@ class CdcPipeline(Generic[TableT]):
         for window in still_open:
             if markers.get((window.table, window.chunk)) != window.hw:
                 self.lake.mark_waiting(window.table, window.chunk, window.hw)
+        # reconciled chunks' markers too, only if written before the log was read: one written since may be another
+        # window of the same chunk, staged after the read (a backfill's and a planner's run of one chunk), which no
+        # later batch would be asked for on an idle source
         self.lake.clear_stale_markers({(w.table, w.chunk) for w in still_open}, older_than=log_read_at)
         return done, len(still_open), filled, rows_windows
 

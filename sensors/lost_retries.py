@@ -3,7 +3,7 @@
 Dagster's daemon retries a failed run (``run_retries`` in the instance's ``dagster.yaml``) when its retry consumer
 reads the run's failure event; the run is tagged ``dagster/will_retry: true`` when it fails, and
 ``dagster/auto_retry_run_id`` once its retry is launched. The consumer can pass the event without launching one
-(dagster-io/dagster#33741; seen in the demo and in CI on 2026-12-06): Dagster 1.13 stores the failure event first,
+(dagster-io/dagster#33741; seen in the demo of 2026-12-06): Dagster 1.13 stores the failure event first,
 then marks the run failed, then tags it. A consumer pass between the first two writes finds the run not failed, does
 not retry it, and moves its cursor past the event for good. Such a run stays "will retry" for good, its chunks stay
 unread, and a backfill it belongs to stays in progress for good, logging "retries have not been launched" every 30 s.
