@@ -582,7 +582,7 @@ class CdcPipeline(Generic[TableT]):
         for _ in range(RESOLVE_AGAIN_LIMIT):
             until = None
             if self.streams_only_for_windows:
-                until = max([*self.lake.waiting_markers().values(), *self.lake.check_markers()], default=0)
+                until = max([*self._windows_waiting(), *self.lake.check_markers()], default=0)
             arguments = (recorded, self.tables, spill_dir, bounds.max_changes, bounds.max_bytes)
             try:
                 if until is None:
@@ -764,17 +764,24 @@ class CdcPipeline(Generic[TableT]):
         or a staged window's high watermark is at or below the source's current position (it can close), or a
         consistency check waits for the stream to pass its high watermark (only until the acknowledged position
         passed it: the check then compares while its marker stays, and a long-lived run used to read an empty batch
-        every poll meanwhile, a materialization each). Reads no Delta table (the waiting markers are plain files):
-        cheap enough for a sensor. ``lag``: one the caller just took."""
+        every poll meanwhile, a materialization each). A staged window counts whether its chunk has a waiting marker
+        or only its staged file (its run killed before the marker). Reads no Delta table (markers and staged files
+        are plain files): cheap enough for a sensor. ``lag``: one the caller just took."""
         reason, position = self.dialect.pending(lag)
         if reason is not None:
             return reason
-        if any(hw <= position for hw in self.lake.waiting_markers().values()):
+        if any(hw <= position for hw in self._windows_waiting()):
             return "a chunk window can close"
         acknowledged = self.lake.acknowledged()
         if any(hw <= position and (acknowledged is None or acknowledged < hw) for hw in self.lake.check_markers()):
             return "a consistency check waits for the stream"
         return None
+
+    def _windows_waiting(self) -> list[int]:
+        """The high watermarks the stream must pass to close a staged window: the waiting markers' and the staged
+        files' (``window_log.staged_high_watermarks``; a run killed between recording its window and marking its
+        chunks waiting leaves a window only its file names, until a batch folds it and marks it). Plain files."""
+        return [*self.lake.waiting_markers().values(), *window_log.staged_high_watermarks(self.lake.windows)]
 
     def acknowledge(self, offset: Offset) -> int:
         """Let the source forget changes up to ``offset`` (only forward). Call only after ``offset`` is recorded

@@ -5,7 +5,8 @@ Contract: ``fault_point(name)`` does nothing unless the environment variable ``C
 exactly like a lost machine. ``CDC_FAULT_PROBABILITY`` (default 1) makes a listed point fire only with that
 probability, drawn from ``random.Random(CDC_FAULT_SEED)``. Production never sets these variables.
 
-Points: ``snapshot.before_window_record`` (rows staged, window not recorded), ``stream.after_changelog`` (changelogs
+Points: ``snapshot.before_window_record`` (rows staged, window not recorded), ``snapshot.before_waiting_markers``
+(window recorded, its chunks not marked waiting for the stream), ``stream.after_changelog`` (changelogs
 appended, mirrors not merged), ``stream.after_merge`` (a table's mirror merged, its fill window of unknown values
 not opened, later tables not merged), ``stream.between_mirror_merges`` (a table's MERGE of the keys its mirror
 holds committed, the insert of the keys it lacks not: ``cdc_assets.lake.mirror.merge_net_changes``),
@@ -38,6 +39,7 @@ from collections.abc import Callable
 
 POINTS = (
     "snapshot.before_window_record",
+    "snapshot.before_waiting_markers",
     "stream.after_changelog",
     "stream.after_merge",
     "stream.between_mirror_merges",

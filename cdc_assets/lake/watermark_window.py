@@ -10,9 +10,12 @@ Contract: ``run_window(spark, lake, table, chunks, attempt, watermarks, read)``:
 3. ``watermarks.high_watermark()``: a position of the change stream taken after every read finished.
 4. Fault point ``snapshot.before_window_record``, then one ``staged`` event per chunk in the window log (a file of
    the run's own, ``cdc_assets.lake.windows.record_staged``: snapshot runs run in parallel, in no pool), and each
-   chunk marked waiting (``SourceLake.mark_waiting``) for the stream, which reconciles the window once it has
-   passed the high watermark. A run killed before step 4 leaves staged rows that no window names: never read, and
-   dropped by the upkeep after a day (``cdc_assets.engine.windows.unrecorded_attempts``).
+   chunk marked waiting (``SourceLake.mark_waiting``, after fault point ``snapshot.before_waiting_markers``) for the
+   stream, which reconciles the window once it has passed the high watermark. A run killed before step 4 leaves
+   staged rows that no window names: never read, and dropped by the upkeep after a day
+   (``cdc_assets.engine.windows.unrecorded_attempts``). A run killed between the record and the markers leaves a
+   recorded window with no marker: the staged file asks for the stream batch itself (``CdcPipeline.pending_work``
+   reads the staged files' high watermarks too), and that batch folds it and marks it waiting if still open.
 Returns the recorded windows. Used for a snapshot's chunks, a fill window (chunk ``FILL_CHUNK``) and an ad-hoc
 snapshot of chosen rows (chunk ``ROWS_CHUNK``).
 """
@@ -58,6 +61,7 @@ def run_window(
         for chunk in chunks
     ]
     window_log.record_staged(lake.windows, windows)  # a file of its own: snapshot runs write in parallel
+    fault_point("snapshot.before_waiting_markers")
     for window in windows:
         lake.mark_waiting(window.table, window.chunk, window.hw)
     return windows

@@ -11,6 +11,9 @@ Contract:
 - ``record_staged(path, windows)`` is how a snapshot run, in no pool, records its staged windows: one new file per
   call, ``<path>-staged/<attempt>.<random>.json`` (written whole or not at all, on every store; no two runs write
   the same name), so parallel snapshot runs never write the same object, on a local disk or an object store.
+- ``staged_high_watermarks(path)`` returns the high watermarks of the staged files' windows, without Spark (plain
+  files: cheap enough for the streaming sensor's ``pending_work``). A file is there from its run's record until the
+  next stream batch folds it, whether or not its run lived to mark its chunks waiting.
 - ``read_events(spark, path)`` returns every event: the Delta table's rows and the staged files' windows, each event
   (event, table, chunk, attempt) once, as ``WindowEvent``s for ``cdc_assets.engine.windows``; a staged file's time is
   returned as Spark returns the table's (naive, the process's local time), so both compare.
@@ -140,6 +143,11 @@ def _staged_files(path: str) -> list[tuple[LakePath, list[WindowEvent]]]:
         ]  # fmt: skip
         files.append((entry.path, [WindowEvent(STAGED, w) for w in windows]))
     return files
+
+
+def staged_high_watermarks(path: str) -> list[int]:
+    """The high watermark of every window in the staged files (not yet folded into the table)."""
+    return [item.window.hw for _, staged in _staged_files(path) for item in staged]
 
 
 def _event_key(item: WindowEvent) -> tuple[str, str, int, str]:

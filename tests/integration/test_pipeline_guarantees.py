@@ -42,6 +42,7 @@ from tests.integration.support import (
     seeded_source,
     source_rows,
 )
+from tests.pipeline_support import Killed
 
 ROOT = Path(__file__).resolve().parents[2]
 DATABASE = "pipe_guarantees"
@@ -269,6 +270,35 @@ def test_a_chunk_staged_again_while_a_batch_reconciles_it_keeps_its_marker_and_i
     recorded, batch = stream_once(pipeline, spark, recorded)
     assert [(r["table"], r["chunk"]) for r in batch.reconciled] == [("public.pairs", 0)] and batch.waiting_windows == 0
     assert not pipeline.lake.waiting_markers() and pipeline.pending_work() is None
+    mirror = mirror_rows(spark, pipeline.lake.table("public.pairs").mirror, table)
+    assert mirror == source_rows(config.sources[0], table)
+
+
+def test_a_run_killed_between_its_window_record_and_its_marker_still_gets_its_batch_on_an_idle_source(
+    source, spark, faults
+) -> None:
+    """A snapshot run killed after recording its window, before marking its chunk waiting: on a source nobody
+    writes to, nothing else asks for a stream batch, so the streaming sensor's ``pending_work`` must find the window
+    from its staged file; the batch it asks for reconciles it."""
+    _, _, config = source
+    pipeline = PostgresPipeline(config, config.sources[0])
+    table = pipeline.prepare()["public.pairs"]
+    recorded = catch_up(pipeline, spark, None)  # from now on nobody writes to this database
+    faults.armed.add("snapshot.before_waiting_markers")
+    with pytest.raises(Killed):
+        pipeline.snapshot(spark, table, [0], "killed")
+    assert faults.fired == ["snapshot.before_waiting_markers"] and not pipeline.lake.waiting_markers()
+    [high_watermark] = window_log.staged_high_watermarks(pipeline.lake.windows)
+    for _ in range(100):  # the flush position passes the window's high watermark (a batch then reads up to it)
+        with pipeline.connect() as conn:
+            if high_watermark <= current_flush_lsn(conn):
+                break
+        time.sleep(0.1)
+    assert pipeline.pending_work() == "a chunk window can close"  # what the streaming sensor asks
+    recorded, batch = stream_once(pipeline, spark, recorded)
+    assert [(r["table"], r["chunk"]) for r in batch.reconciled] == [("public.pairs", 0)] and batch.waiting_windows == 0
+    assert not window_log.staged_high_watermarks(pipeline.lake.windows) and not pipeline.lake.waiting_markers()
+    assert pipeline.pending_work() is None
     mirror = mirror_rows(spark, pipeline.lake.table("public.pairs").mirror, table)
     assert mirror == source_rows(config.sources[0], table)
 
