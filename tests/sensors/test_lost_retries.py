@@ -214,6 +214,13 @@ def test_retried_reexecuted_recent_and_other_sources_runs_are_left_alone(monkeyp
             DagsterRun(job_name="__ASSET_JOB", run_id=str(uuid.uuid4()), tags={PARENT_RUN_ID_TAG: reexecuted.run_id})
         )
         others = [failed_run(instance, asset=AssetKey(["shop", "public", "orders"])) for _ in range(4)]
+        used_up = failed_run(instance)
+        instance.add_run_tags(used_up.run_id, {WILL_RETRY_TAG: "false"})  # its group's retries were all made
+        untagged = DagsterRun(
+            job_name="__ASSET_JOB", run_id=str(uuid.uuid4()), asset_selection=frozenset({ORDERS}),
+            status=DagsterRunStatus.FAILURE,
+        )  # fmt: skip
+        instance.add_run(untagged)  # failed on an instance that does not retry runs
         lost = failed_run(instance)
         later = instance.get_run_record_by_id(lost.run_id).end_time + LOST_RETRY_AFTER_SECONDS + 0.5
         time.sleep(1)
@@ -225,3 +232,6 @@ def test_retried_reexecuted_recent_and_other_sources_runs_are_left_alone(monkeyp
         for untouched in (retried, reexecuted, recent, *others):
             assert instance.get_run_by_id(untouched.run_id).tags[WILL_RETRY_TAG] == "true", untouched.run_id
             assert messages(instance, untouched.run_id) == [], untouched.run_id
+        assert instance.get_run_by_id(used_up.run_id).tags[WILL_RETRY_TAG] == "false"
+        assert WILL_RETRY_TAG not in instance.get_run_by_id(untagged.run_id).tags
+        assert messages(instance, used_up.run_id) == messages(instance, untagged.run_id) == []
