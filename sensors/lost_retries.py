@@ -113,7 +113,7 @@ def of_source(run: DagsterRun, source_name: str) -> bool:
 def failed_runs_waiting_to_retry(instance: DagsterInstance, now: float) -> Iterator[RunRecord]:
     """The records of the failed runs of the last ``LOOK_BACK_SECONDS`` tagged ``dagster/will_retry: true`` that
     carry no launched retry, every page of them. The tags are read here, not filtered by the run storage: on
-    Dagster's SQLite storage a tag filter made the query grow with the square of the runs it matched (7.9 s a tick
+    Dagster's SQLite storage a tag filter made the query grow with the square of the runs it matched (7.2 s a tick
     for 5,000 failed runs Dagster had retried, against a linear listing by status; docs/known-limits.md)."""
     cursor = None
     while True:
