@@ -21,6 +21,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterable
 from pathlib import Path
 
 import psutil
@@ -52,6 +53,18 @@ DATABASE = "pipe_guarantees"
 def source(postgres_server: dict[str, str], tmp_path: Path):
     with seeded_source(postgres_server, DATABASE) as (admin, admin_dsn):
         yield admin, admin_dsn, pipeline_config(DATABASE, tmp_path / "lake", chunk_size=400, max_changes=20000)
+
+
+def flushed_past(pipeline: PostgresPipeline, high_watermarks: Iterable[int]) -> None:
+    """Wait until the source's flush position passes every one of ``high_watermarks`` (a batch then reads up to
+    them); raises if it does not within 10 s."""
+    wanted = list(high_watermarks)
+    for _ in range(100):
+        with pipeline.connect() as conn:
+            if all(hw <= current_flush_lsn(conn) for hw in wanted):
+                return
+        time.sleep(0.1)
+    raise AssertionError(f"the flush LSN did not pass the high watermarks {wanted}")
 
 
 def stream_once(pipeline: PostgresPipeline, spark, recorded: Offset | None) -> tuple[Offset, StreamReport]:
@@ -242,13 +255,8 @@ def test_a_chunk_staged_again_while_a_batch_reconciles_it_keeps_its_marker_and_i
     recorded = catch_up(pipeline, spark, None)  # from now on nobody writes to this database
     pipeline.snapshot(spark, table, [0], "first")
 
-    def flushed_past_markers() -> None:  # a batch then reads up to every marker's high watermark
-        for _ in range(100):
-            with pipeline.connect() as conn:
-                if all(hw <= current_flush_lsn(conn) for hw in pipeline.lake.waiting_markers().values()):
-                    return
-            time.sleep(0.1)
-        raise AssertionError(f"the flush LSN did not pass the markers {pipeline.lake.waiting_markers()}")
+    def flushed_past_markers() -> None:
+        flushed_past(pipeline, pipeline.lake.waiting_markers().values())
 
     flushed_past_markers()
     read_log = window_log.pending_staged
@@ -289,11 +297,7 @@ def test_a_run_killed_between_its_window_record_and_its_marker_still_gets_its_ba
         pipeline.snapshot(spark, table, [0], "killed")
     assert faults.fired == ["snapshot.before_waiting_markers"] and not pipeline.lake.waiting_markers()
     [high_watermark] = window_log.staged_high_watermarks(pipeline.lake.windows)
-    for _ in range(100):  # the flush position passes the window's high watermark (a batch then reads up to it)
-        with pipeline.connect() as conn:
-            if high_watermark <= current_flush_lsn(conn):
-                break
-        time.sleep(0.1)
+    flushed_past(pipeline, [high_watermark])
     assert pipeline.pending_work() == "a chunk window can close"  # what the streaming sensor asks
     recorded, batch = stream_once(pipeline, spark, recorded)
     assert [(r["table"], r["chunk"]) for r in batch.reconciled] == [("public.pairs", 0)] and batch.waiting_windows == 0
