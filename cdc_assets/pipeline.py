@@ -582,7 +582,7 @@ class CdcPipeline(Generic[TableT]):
         for _ in range(RESOLVE_AGAIN_LIMIT):
             until = None
             if self.streams_only_for_windows:
-                until = max([*self._windows_waiting(), *self.lake.check_markers()], default=0)
+                until = max([*self._open_window_high_watermarks(), *self.lake.check_markers()], default=0)
             arguments = (recorded, self.tables, spill_dir, bounds.max_changes, bounds.max_bytes)
             try:
                 if until is None:
@@ -770,14 +770,14 @@ class CdcPipeline(Generic[TableT]):
         reason, position = self.dialect.pending(lag)
         if reason is not None:
             return reason
-        if any(hw <= position for hw in self._windows_waiting()):
+        if any(hw <= position for hw in self._open_window_high_watermarks()):
             return "a chunk window can close"
         acknowledged = self.lake.acknowledged()
         if any(hw <= position and (acknowledged is None or acknowledged < hw) for hw in self.lake.check_markers()):
             return "a consistency check waits for the stream"
         return None
 
-    def _windows_waiting(self) -> list[int]:
+    def _open_window_high_watermarks(self) -> list[int]:
         """The high watermarks the stream must pass to close a staged window: the waiting markers' and the staged
         files' (``window_log.staged_high_watermarks``; a run killed between recording its window and marking its
         chunks waiting leaves a window only its file names, until a batch folds it and marks it). Plain files."""

@@ -33,12 +33,12 @@ deterministic, so a seed fixes the workload's recipe, not its exact interleaving
    the mirror's appended, then two statements, replaced rows marked in deletion vectors (``apply_changes``' path
    for mirrors of ``TWO_STATEMENTS_FROM_BYTES`` or more; the harness's are smaller).
 4. **Faults** (unless ``--no-faults``): workers run with ``CDC_FAULTS`` / ``CDC_FAULT_PROBABILITY`` /
-   ``CDC_FAULT_SEED`` (snapshot: ``snapshot.before_window_record``; stream: ``stream.after_changelog``,
-   ``stream.after_merge``, ``stream.between_mirror_merges``, ``stream.between_append_and_merge``,
-   ``stream.after_lake_commit``,
-   ``stream.after_offset_record``, ``stream.during_maintenance``, ``stream.after_adopted_files``), so they are
-   SIGKILLed at those points; a killed or failed run is re-run (as Dagster's retry policy would, up to 8 attempts).
-   A **run kill**: a busy chunk run (twice per seed) and the stream run
+   ``CDC_FAULT_SEED`` (snapshot: ``snapshot.before_window_record``, ``snapshot.before_waiting_markers``; stream:
+   ``stream.after_changelog``, ``stream.after_merge``, ``stream.between_mirror_merges``,
+   ``stream.between_append_and_merge``, ``stream.after_lake_commit``, ``stream.after_offset_record``,
+   ``stream.during_maintenance``, ``stream.after_adopted_files``), so they are SIGKILLed at those points; a killed
+   or failed run is re-run (as Dagster's retry policy would, up to 8 attempts). A **run kill**: a busy chunk run
+   (twice per seed) and the stream run
    (once) are SIGKILLed 0.3-6 s into their work, wherever that is: a chunk run anywhere from opening its source to
    recording its windows (so also inside its read-and-stage Spark job: some staged files written, window not recorded),
    the stream run anywhere from its slot read to its slot advance. An **executor loss**: a Spark Python worker process
@@ -109,7 +109,7 @@ from tools.torture_source import (  # noqa: E402
 )
 
 SOURCE_KINDS = ("postgres", "mongodb")
-SNAPSHOT_POINTS = ("snapshot.before_window_record",)
+SNAPSHOT_POINTS = ("snapshot.before_window_record", "snapshot.before_waiting_markers")
 STREAM_POINTS = (
     "stream.after_changelog", "stream.after_merge", "stream.between_mirror_merges",
     "stream.between_append_and_merge", "stream.after_lake_commit",
