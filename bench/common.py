@@ -57,9 +57,23 @@ def pg_socket() -> str:
     return os.environ.get("CDC_PG_SOCKET", str(ROOT / ".state" / "pg" / "sock"))
 
 
+class ClusterNotRunning(SystemExit):
+    """No PostgreSQL answers where the bench looks for the project's cluster: the message says how to start it."""
+
+
 def admin_connect(dbname: str = DATABASE) -> psycopg.Connection:
-    """An autocommit administrator connection (``postgres`` over the unix socket)."""
-    return psycopg.connect(host=pg_socket(), port=pg_port(), user="postgres", dbname=dbname, autocommit=True)
+    """An autocommit administrator connection (``postgres`` over the unix socket). ``ClusterNotRunning`` (the
+    command's exit message) when no server listens there: it names the socket, the port and how to start one."""
+    try:
+        return psycopg.connect(host=pg_socket(), port=pg_port(), user="postgres", dbname=dbname, autocommit=True)
+    except psycopg.OperationalError as error:
+        socket = Path(pg_socket()) / f".s.PGSQL.{pg_port()}"
+        if socket.exists():
+            raise
+        raise ClusterNotRunning(
+            f"bench: no PostgreSQL server listens on {socket} (CDC_PG_SOCKET, CDC_PG_PORT): start the project's "
+            "cluster first with `scripts/pg.sh start` (docs/benchmarks.md)"
+        ) from error
 
 
 def reader_password() -> str:
