@@ -33,11 +33,9 @@ deterministic, so a seed fixes the workload's recipe, not its exact interleaving
    the mirror's appended, then two statements, replaced rows marked in deletion vectors (``apply_changes``' path
    for mirrors of ``TWO_STATEMENTS_FROM_BYTES`` or more; the harness's are smaller).
 4. **Faults** (unless ``--no-faults``): workers run with ``CDC_FAULTS`` / ``CDC_FAULT_PROBABILITY`` /
-   ``CDC_FAULT_SEED`` (snapshot: ``snapshot.before_window_record``, ``snapshot.before_waiting_markers``; stream:
-   ``stream.after_changelog``, ``stream.after_merge``, ``stream.between_mirror_merges``,
-   ``stream.between_append_and_merge``, ``stream.after_lake_commit``, ``stream.after_offset_record``,
-   ``stream.during_maintenance``, ``stream.after_adopted_files``), so they are SIGKILLed at those points; a killed
-   or failed run is re-run (as Dagster's retry policy would, up to 8 attempts). A **run kill**: a busy chunk run
+   ``CDC_FAULT_SEED`` (every point of ``cdc_assets.engine.faults.POINTS``: snapshot workers its ``snapshot.*``
+   ones, the stream worker its ``stream.*`` ones), so they are SIGKILLed at those points; a killed or failed run is
+   re-run (as Dagster's retry policy would, up to 8 attempts). A **run kill**: a busy chunk run
    (twice per seed) and the stream run
    (once) are SIGKILLed 0.3-6 s into their work, wherever that is: a chunk run anywhere from opening its source to
    recording its windows (so also inside its read-and-stage Spark job: some staged files written, window not recorded),
@@ -98,6 +96,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from cdc_assets.config import SparkConfig  # noqa: E402
+from cdc_assets.engine.faults import POINTS  # noqa: E402
 from tools.torture_source import (  # noqa: E402
     WORKER_MASTER,
     SeedSource,
@@ -109,12 +108,9 @@ from tools.torture_source import (  # noqa: E402
 )
 
 SOURCE_KINDS = ("postgres", "mongodb")
-SNAPSHOT_POINTS = ("snapshot.before_window_record", "snapshot.before_waiting_markers")
-STREAM_POINTS = (
-    "stream.after_changelog", "stream.after_merge", "stream.between_mirror_merges",
-    "stream.between_append_and_merge", "stream.after_lake_commit",
-    "stream.after_offset_record", "stream.during_maintenance", "stream.after_adopted_files",
-)  # fmt: skip
+# every named point that kills the process: snapshot workers fire the snapshot ones, the stream worker the others
+SNAPSHOT_POINTS = tuple(point for point in POINTS if point.startswith("snapshot."))
+STREAM_POINTS = tuple(point for point in POINTS if point.startswith("stream."))
 # SIGKILLs at a random moment of a busy run, per seed: chunk runs, stream runs
 RUN_KILLS = {"snapshot.killed_at_random": 2, "stream.killed_at_random": 1}
 # the stream worker compacts after every 4th batch and also vacuums after every 8th (production: at most every

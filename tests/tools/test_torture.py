@@ -10,8 +10,9 @@
 
 - with ``--source mongodb`` and faults (no source restart), a seed passes (seed 905, on the harness's own MongoDB
   test server).
-- the faulted runs fire every named point that kills the process (``cdc_assets.engine.faults.POINTS``): a point added
-  to the pipeline without the harness firing it fails here (``snapshot.before_waiting_markers`` was, for a day).
+- the faulted runs fire every named point that kills the process (``cdc_assets.engine.faults.POINTS``; the harness
+  takes its lists from there since ``snapshot.before_waiting_markers`` went unfired for a day): a point no worker
+  kind fires fails here.
 
 Seeds 901, 903 and 905 keep these databases apart from manual runs (``torture_<seed>``). The two runs are independent:
 both start in the background as soon as collection selected their tests (``tests/conftest.py``, see
@@ -35,6 +36,7 @@ from tools.torture import SNAPSHOT_POINTS, STREAM_POINTS
 def test_the_harness_fires_every_named_fault_point() -> None:
     assert sorted(SNAPSHOT_POINTS) == sorted(p for p in POINTS if p.startswith("snapshot."))
     assert sorted(STREAM_POINTS) == sorted(p for p in POINTS if p.startswith("stream."))
+    assert sorted(SNAPSHOT_POINTS + STREAM_POINTS) == sorted(POINTS)  # none named outside the two kinds of worker
 
 
 @pytest.mark.timeout(2800)
