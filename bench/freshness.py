@@ -25,7 +25,9 @@ batch started (the run's poll), launch = startup = 0. The parts add up to the la
 
 Output: results table; where a workload batch's seconds go (each phase of the stream's batches: read, changelog,
 merge, reconcile, the rest; p50, p95, mean, share), and issue 30's target 5 met or not with the MERGE's part of a
-batch (the floor no setting removed) and the warm-up's part of the tail (``warm_up_line``: the workload's first
+batch (the floor no setting removed) and Delta's own clock of those MERGE statements (``delta_merge_line``: their
+``operationMetrics``, the scan for touched files, the rewrite, the source's materialization; what of the phase lies
+outside the statement), the warm-up's part of the tail (``warm_up_line``: the workload's first
 MERGE in the run's fresh JVM, the p95 without the workload's first 30 s), and each handoff to a successor stream
 run (``handoff_lines``: the changes committed from the successor's start to 30 s after its first batch, their p95,
 the p95 of the rest, and the share of the time such a window takes with a handoff every ``run_seconds``: a long
@@ -327,6 +329,7 @@ def run(args: argparse.Namespace, daemon: subprocess.Popen[bytes], instance: Ins
 def analyse(result: dict[str, Any], lake: Path) -> None:
     """Latency per inserted/updated row from the mirror's Change Data Feed; parts from the applying run."""
     sys.path.insert(0, str(ROOT))
+    from delta.tables import DeltaTable
     from pyspark.sql import functions as F
 
     from bench.common import pipeline_config
@@ -342,6 +345,13 @@ def analyse(result: dict[str, Any], lake: Path) -> None:
                 F.col("_commit_version").alias("v"))
     )  # fmt: skip
     rows = [(r["c"], r["m"], r["v"]) for r in feed.collect()]
+    timed_versions = {version for _, _, version in rows}
+    history = DeltaTable.forPath(spark, mirror).history().where(F.col("operation") == "MERGE")
+    result["delta_merges"] = [
+        {"version": r["version"], **delta_merge_seconds(r["operationMetrics"] or {})}
+        for r in history.select("version", "operationMetrics").collect()
+        if r["version"] in timed_versions
+    ]
     spark.stop()
     batches = [(run, batch) for run in result["runs"] for batch in run.get("batches", [])]
     changes = []
@@ -359,6 +369,42 @@ def analyse(result: dict[str, Any], lake: Path) -> None:
         changes.append(item)
     result["latencies"] = changes
     result["unmatched"] = sum(1 for c in changes if "run" not in c)
+
+
+# Delta's own timings of a MERGE, in its commit's operationMetrics (milliseconds): the whole statement, its scan for
+# the files the batch touches, their rewrite, and the materialization of the MERGE's source
+DELTA_MERGE_TIMES = {"execution": "executionTimeMs", "scan": "scanTimeMs", "rewrite": "rewriteTimeMs",
+                     "source": "materializeSourceTimeMs"}  # fmt: skip
+
+
+def delta_merge_seconds(metrics: dict[str, str]) -> dict[str, float]:
+    """The seconds of each of ``DELTA_MERGE_TIMES`` that a MERGE commit's ``operationMetrics`` hold."""
+    return {name: int(metrics[key]) / 1000 for name, key in DELTA_MERGE_TIMES.items() if metrics.get(key)}
+
+
+def delta_merge_line(merges: list[dict[str, Any]], columns: dict[str, list[float]]) -> str:
+    """What of the ``merge`` phase is Delta's MERGE statement itself, by its own clock (``delta_merge_seconds`` of the
+    MERGE commits that applied timed workload changes); the rest of the phase is outside that clock: the commit
+    itself (metrics written into a commit cannot time it), the net change's plan, and the table's state Delta
+    rebuilds after each commit, read before the MERGE to size it (the MERGE rebuilds it itself when it is not,
+    ``cdc_assets.lake.delta_tables``). With the changelog phase (the
+    batch's append to the changelog table, its rows read from the spill then), the share of a batch that two Delta
+    writes take."""
+    if not merges:
+        return "  Delta's own MERGE time: no MERGE commit applied a timed change"
+    times = {name: [m[name] for m in merges if name in m] for name in DELTA_MERGE_TIMES}
+    phase = percentile(columns.get("merge", []), 50) or 0.0
+    changelog = percentile(columns.get("changelog", []), 50) or 0.0
+    batch = percentile(columns["batch"], 50) or 0.0
+    execution = percentile(times["execution"], 50) or 0.0
+    parts = ", ".join(f"{name} p50 {percentile(values, 50) or 0:.2f} s" for name, values in times.items()
+                      if name != "execution" and values)  # fmt: skip
+    return (
+        f"  Delta's own MERGE time ({len(merges)} MERGE commits, their executionTimeMs): p50 {execution:.2f} s, p95 "
+        f"{percentile(times['execution'], 95) or 0:.2f} s ({parts}); of the merge phase's p50 {phase:.2f} s, the "
+        f"rest {max(0.0, phase - execution):.2f} s is outside its clock; the statement and the changelog phase "
+        f"(p50 {changelog:.2f} s) make {execution + changelog:.2f} s of a batch's p50 {batch:.2f} s"
+    )
 
 
 def workload_batches(result: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
@@ -409,6 +455,7 @@ def report(result: dict[str, Any], args: argparse.Namespace) -> None:
         phase_rows(columns),
     )
     print(target_line(percentile(timed["latency"], 95), columns))
+    print(delta_merge_line(result.get("delta_merges", []), columns))
     print(warm_up_line(changes, workload))
     for line in handoff_lines(result, stream.get("run_seconds", 0)):
         print(line)
