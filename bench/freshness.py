@@ -387,9 +387,8 @@ def delta_merge_line(merges: list[dict[str, Any]], columns: dict[str, list[float
     MERGE commits that applied timed workload changes); the rest of the phase is outside that clock: the commit
     itself (metrics written into a commit cannot time it), the net change's plan, and the table's state Delta
     rebuilds after each commit, read before the MERGE to size it (the MERGE rebuilds it itself when it is not,
-    ``cdc_assets.lake.delta_tables``). With the changelog phase (the
-    batch's append to the changelog table, its rows read from the spill then), the share of a batch that two Delta
-    writes take."""
+    ``cdc_assets.lake.delta_tables``). With the changelog phase (the batch's append to the changelog table, its
+    rows read from the spill then): the share of a batch that its two Delta writes take."""
     if not merges:
         return "  Delta's own MERGE time: no MERGE commit applied a timed change"
     times = {name: [m[name] for m in merges if name in m] for name in DELTA_MERGE_TIMES}
