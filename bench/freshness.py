@@ -490,15 +490,16 @@ def phase_rows(columns: dict[str, list[float]]) -> list[list[Any]]:
 
 def target_line(latency_p95: float | None, columns: dict[str, list[float]]) -> str:
     """Issue 30's target 5 (p95 commit-to-mirror latency at most ``FRESHNESS_TARGET_SECONDS``), met or not, with the
-    floor that shows why: a change waits for the batch in flight, then goes through its own batch, whose MERGE
-    (Delta's, the ``merge`` phase) is the part no setting removed."""
+    floor that shows why: a change waits for the batch in flight, then goes through its own batch, whose ``merge``
+    phase (Delta's MERGE, its commit and what the pipeline does around it: ``delta_merge_line`` splits it) is the
+    part no setting removed."""
     if latency_p95 is None:
         return "  target 5 (p95 latency): nothing timed"
     merge, seconds = columns.get("merge", []), columns["batch"]
     verdict = "met" if latency_p95 <= FRESHNESS_TARGET_SECONDS else "not met"
     return (
         f"  target 5 (p95 latency <= {FRESHNESS_TARGET_SECONDS:g} s): {verdict}, p95 {latency_p95:.2f} s; a batch's "
-        f"MERGE alone p50 {percentile(merge, 50) or 0:.2f} s, p95 {percentile(merge, 95) or 0:.2f} s, of its "
+        f"merge phase p50 {percentile(merge, 50) or 0:.2f} s, p95 {percentile(merge, 95) or 0:.2f} s, of its "
         f"p50 {percentile(seconds, 50) or 0:.2f} s, p95 {percentile(seconds, 95) or 0:.2f} s"
     )
 
