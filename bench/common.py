@@ -522,6 +522,33 @@ def dir_size(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
+@dataclass(frozen=True)
+class JvmClock:
+    """What a Spark driver JVM has spent so far besides its own work: ``compile_seconds``, the JIT compilers' time
+    (summed over the compiler threads, so it may pass wall time: on 2 cores they compete with Spark's tasks), and
+    ``gc_seconds``, the collectors' time. Subtract two readings for what happened in between."""
+
+    compile_seconds: float
+    gc_seconds: float
+
+    def __sub__(self, earlier: JvmClock) -> JvmClock:
+        return JvmClock(self.compile_seconds - earlier.compile_seconds, self.gc_seconds - earlier.gc_seconds)
+
+    def to_json(self) -> dict[str, float]:
+        return {"compile_seconds": round(self.compile_seconds, 3), "gc_seconds": round(self.gc_seconds, 3)}
+
+
+def jvm_clock(spark: Any) -> JvmClock | None:
+    """The driver JVM's ``JvmClock`` now, read through the session's gateway (``java.lang.management``); None without
+    a local JVM (Spark Connect)."""
+    jvm = getattr(spark, "_jvm", None)
+    if jvm is None:
+        return None
+    management = jvm.java.lang.management.ManagementFactory
+    gc_ms = sum(max(0, bean.getCollectionTime()) for bean in management.getGarbageCollectorMXBeans())
+    return JvmClock(management.getCompilationMXBean().getTotalCompilationTime() / 1000, gc_ms / 1000)
+
+
 def timed(fn: Callable[[], Any]) -> tuple[Any, float]:
     started = time.monotonic()
     value = fn()

@@ -25,8 +25,16 @@ run starts its own, see ``bench.freshness``):
    to a fresh Delta changelog, then the MERGE of their net change per key (precomputed and materialized beforehand,
    untimed) with the pipeline's own statement (``merge_net_changes``). No slot read, no decode, no net-change
    computation, and a JVM already warmed by step 4: what Spark and Delta alone take for these batches on this
-   machine, an upper bound of our rate. Checked: the copy's count and sums equal our mirror's.
-6. Upkeep: ``maintain_lake`` once (both steps, what a stream run does at most every ``stream.compact_seconds`` and
+   machine, an upper bound of our rate. Checked: the copy's count and sums equal our mirror's. Steps 5 and 6 run
+   ``--warm-rounds`` times (default 2), the last round reported: a JVM that had run step 4 alone still spent 21.9 s
+   of its JIT compilers' time in the floor's timed statements (2026-12-07), and ours, run after it, was then
+   faster than the floor.
+6. Ours again, warm (``warm_replay``): the same batches through the pipeline's own ``append_changelog`` and
+   ``apply_changes``, taken from our changelog, on another copy of the mirror as it was before step 4, after the
+   floor. The difference to step 4's changelog and merge phases is the JVM's warm-up (the driver JVM's JIT
+   compilers' and collectors' seconds are recorded per batch in steps 4, 5 and 6); the difference to the floor is
+   what the pipeline's statements add to Delta's. Checked: the copy's sums equal our mirror's.
+7. Upkeep: ``maintain_lake`` once (both steps, what a stream run does at most every ``stream.compact_seconds`` and
    ``stream.vacuum_seconds``): its seconds and the
    mirror's and changelog's file counts before and after; the mirror's sums must not change.
 
@@ -49,11 +57,13 @@ import psycopg
 
 from bench.common import (
     MB,
+    JvmClock,
     Sampler,
     admin_connect,
     drop_capture,
     ensure_database,
     fresh_dir,
+    jvm_clock,
     machine,
     percentile,
     pipeline_config,
@@ -146,6 +156,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--decode-repeats", type=int, default=2)
     parser.add_argument("--keep", action="store_true", help="keep the lake under bench/out/work")
+    parser.add_argument(
+        "--warm-rounds", type=int, default=2,
+        help="rounds of steps 5 and 6 (floor, then ours again), the last one reported (default 2: the first warms "
+        "the JVM for both)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
 
     ensure_database()
@@ -224,7 +239,9 @@ def run(args: argparse.Namespace, lake: Path) -> dict[str, Any]:
     applied = 0
     position = pipeline.position(recorded) if recorded is not None else None
     while position is None or position < end_lsn:
+        clock = jvm_clock(spark)
         report = pipeline.stream_batch(spark, recorded, run_id)
+        spent = jvm_spent(spark, clock)
         recorded = report.offset
         previous, position = position, pipeline.position(recorded)
         bounds.append((previous, position))
@@ -232,7 +249,8 @@ def run(args: argparse.Namespace, lake: Path) -> dict[str, Any]:
         applied += report.changes
         batches.append({"t": round(time.monotonic() - started, 2), "changes": report.changes,
                         "transactions": report.transactions, "seconds": report.seconds,
-                        "phases": getattr(report, "phase_seconds", {}), "lag_bytes": report.lag_bytes})  # fmt: skip
+                        "phases": getattr(report, "phase_seconds", {}), "lag_bytes": report.lag_bytes,
+                        "jvm": spent})  # fmt: skip
         print(f"[stream] batch {len(batches)}: {report.changes:,} changes in {report.seconds:.1f} s "
               f"{batches[-1]['phases']}", flush=True)  # fmt: skip
         if len(batches) > 10_000:
@@ -249,14 +267,23 @@ def run(args: argparse.Namespace, lake: Path) -> dict[str, Any]:
     if [str(v) for v in source_sums] != [str(v) for v in mirror_sums]:
         raise RuntimeError(f"mirror differs from source: {check}")
 
-    # 5. Spark and Delta alone on the same batches
-    floor = delta_floor(spark, paths.mirror, paths.changelog, version_before, bounds, list(table.key_columns), lake)
-    if floor["sums"] != check["mirror"]:
-        raise RuntimeError(f"the floor's mirror differs from ours: {floor['sums']} vs {check['mirror']}")
-    print(f"[stream] floor: changelog append {floor['append_seconds']:.1f} s, MERGE {floor['merge_seconds']:.1f} s",
-          flush=True)  # fmt: skip
+    # 5. and 6., Spark and Delta alone on the same batches, then ours again; in rounds, the last one reported
+    floors, replays = [], []
+    keys = list(table.key_columns)
+    for number in range(1, args.warm_rounds + 1):
+        floor = delta_floor(spark, paths.mirror, paths.changelog, version_before, bounds, keys, lake)
+        if floor["sums"] != check["mirror"]:
+            raise RuntimeError(f"the floor's mirror differs from ours: {floor['sums']} vs {check['mirror']}")
+        replay = warm_replay(spark, paths.mirror, paths.changelog, version_before, bounds, keys, lake)
+        if replay["sums"] != check["mirror"]:
+            raise RuntimeError(f"the warm replay's mirror differs from ours: {replay['sums']} vs {check['mirror']}")
+        print(f"[stream] round {number}: floor: changelog append {floor['append_seconds']:.1f} s, MERGE "
+              f"{floor['merge_seconds']:.1f} s; ours again: changelog {replay['changelog_seconds']:.1f} s, merge "
+              f"{replay['merge_seconds']:.1f} s", flush=True)  # fmt: skip
+        floors.append(floor)
+        replays.append(replay)
 
-    # 6. the lake upkeep a stream run does between batches (at most every stream.compact_seconds / vacuum_seconds)
+    # 7. the lake upkeep a stream run does between batches (at most every stream.compact_seconds / vacuum_seconds)
     from cdc_assets.lake.maintenance import maintain_lake
 
     def files() -> dict[str, int]:
@@ -282,7 +309,9 @@ def run(args: argparse.Namespace, lake: Path) -> dict[str, Any]:
         "decode": decode,
         "ours": {"changes": applied, "seconds": apply_seconds, "batches": batches, "usage": usage_json(usage)},
         "check": check,
-        "floor": floor,
+        "floor": floors[-1],
+        "warm_replay": replays[-1],
+        "earlier_rounds": {"floor": floors[:-1], "warm_replay": replays[:-1]},
         "upkeep": {"seconds": upkeep_seconds, "files_before": files_before, "files_after": files_after,
                    "staging_files_dropped": upkeep.staging_files_dropped, "files_vacuumed": upkeep.files_vacuumed},
     }  # fmt: skip
@@ -330,6 +359,7 @@ def delta_floor(
         net.write.parquet(str(work / f"net-{number}"))
         changes = spark.read.parquet(str(work / f"changes-{number}"))
         sampler = Sampler(os.getpid(), interval=0.1, lifetime_peak=False).start()
+        clock = jvm_clock(spark)
         started = time.monotonic()
         changes.write.format("delta").mode("append").save(str(work / "changelog"))
         append_seconds = time.monotonic() - started
@@ -337,8 +367,10 @@ def delta_floor(
         merge_net_changes(mirror, spark.read.parquet(str(work / f"net-{number}")), columns, key_columns,
                           str(work / "mirror"))  # fmt: skip
         merge_seconds = time.monotonic() - started
+        spent = jvm_spent(spark, clock)
         timed_jvm_cpu += sampler.finish()["jvm"].cpu_seconds
-        batches.append({"changes": changes.count(), "append_seconds": append_seconds, "merge_seconds": merge_seconds})
+        batches.append({"changes": changes.count(), "append_seconds": append_seconds, "merge_seconds": merge_seconds,
+                        "jvm": spent})  # fmt: skip
     sums = [str(v) for v in mirror.toDF().selectExpr(*SUMS).first()]
     shutil.rmtree(work, ignore_errors=True)
     return {
@@ -346,6 +378,63 @@ def delta_floor(
         "append_seconds": sum(b["append_seconds"] for b in batches),
         "merge_seconds": sum(b["merge_seconds"] for b in batches),
         "jvm_cpu_seconds": timed_jvm_cpu,
+        "sums": sums,
+    }
+
+
+def jvm_spent(spark: Any, since: JvmClock | None) -> dict[str, float] | None:
+    """The driver JVM's compile and collection seconds since ``since`` (``JvmClock.to_json``), None without one."""
+    now = jvm_clock(spark)
+    return None if now is None or since is None else (now - since).to_json()
+
+
+def warm_replay(
+    spark: Any, mirror_path: str, changelog_path: str, version: int, bounds: list[tuple[int, int]],
+    key_columns: list[str], lake: Path,
+) -> dict[str, Any]:  # fmt: skip
+    """Step 6 of the module docstring: our own Spark work on the same batches again, after the floor (a JVM at least
+    as warm as the floor's): for each batch, its changes taken from our changelog and written to Parquet (untimed),
+    then, timed, the pipeline's ``append_changelog`` of them, cached as the stream caches its spill, to a fresh
+    changelog, and its ``apply_changes`` (net change per key, the MERGE) into a copy of the mirror restored to
+    ``version``. No slot read, no decode, no reconciliation. Set against step 4's phases it shows how much of them
+    was the JVM's warm-up (its JIT compilers' seconds are recorded per batch) rather than the work; set against
+    the floor, what the pipeline's own statements add to Delta's. Returns the seconds per batch and the copy's
+    sums."""
+    from delta.tables import DeltaTable
+    from pyspark.sql import functions as F
+
+    from cdc_assets.lake.mirror import append_changelog, apply_changes, mirror_source_fields, q
+
+    work = lake / "warm_replay"
+    shutil.rmtree(work, ignore_errors=True)
+    shutil.copytree(mirror_path, work / "mirror")
+    spark.sql(f"RESTORE TABLE delta.{q(str(work / 'mirror'))} TO VERSION AS OF {version}")
+    fields = mirror_source_fields(DeltaTable.forPath(spark, str(work / "mirror")))
+    changelog = spark.read.format("delta").load(changelog_path)
+    batches = []
+    for number, (low, high) in enumerate(bounds):
+        rows = changelog.where((F.col("_cdc_position") > low) & (F.col("_cdc_position") <= high))
+        rows.write.parquet(str(work / f"changes-{number}"))
+        changes = spark.read.parquet(str(work / f"changes-{number}")).cache()
+        try:
+            clock = jvm_clock(spark)
+            started = time.monotonic()
+            append_changelog(spark, str(work / "changelog"), changes, high)
+            changelog_seconds = time.monotonic() - started
+            started = time.monotonic()
+            apply_changes(spark, str(work / "mirror"), changes, fields, key_columns, set())
+            merge_seconds = time.monotonic() - started
+            spent = jvm_spent(spark, clock)
+            batches.append({"changes": changes.count(), "changelog_seconds": changelog_seconds,
+                            "merge_seconds": merge_seconds, "jvm": spent})  # fmt: skip
+        finally:
+            changes.unpersist()
+    sums = [str(v) for v in spark.read.format("delta").load(str(work / "mirror")).selectExpr(*SUMS).first()]
+    shutil.rmtree(work, ignore_errors=True)
+    return {
+        "batches": batches,
+        "changelog_seconds": sum(b["changelog_seconds"] for b in batches),
+        "merge_seconds": sum(b["merge_seconds"] for b in batches),
         "sums": sums,
     }
 
@@ -395,12 +484,61 @@ def report(result: dict[str, Any], args: argparse.Namespace) -> None:
     print(f"  ratio ours / floor: {ours_rate / floor_rate:.3f}; targets against the floor: 100,000 changes/s is "
           f"{100_000 / floor_rate:.2f}x it, 0.25x the decode limit ({0.25 * limit:,.0f}) is "
           f"{0.25 * limit / floor_rate:.2f}x it")  # fmt: skip
+    for line in warm_lines(result):
+        print(line)
     print(f"  Spark start-up {result['spark_start_seconds']:.1f} s (once, not in the figures above)")
     upkeep = result["upkeep"]
     print(f"  lake upkeep after the workload (maintain_lake): {upkeep['seconds']:.1f} s; files "
           f"{upkeep['files_before']} -> {upkeep['files_after']}; staging files dropped "
           f"{upkeep['staging_files_dropped']}")  # fmt: skip
     plot(result, limit, args.mix)
+
+
+def _jvm_total(batches: list[dict[str, Any]], key: str) -> float:
+    return sum((b.get("jvm") or {}).get(key, 0.0) for b in batches)
+
+
+def warm_lines(result: dict[str, Any]) -> list[str]:
+    """What step 6 (``warm_replay``) says about step 4: our changelog and merge phases again on a warm JVM against
+    the floor's append and MERGE and against step 4's own; the JIT compilers' and collectors' seconds of the three;
+    and the ratio to the floor step 4 would have had with its changelog and merge phases at the warm replay's
+    seconds (its read and reconciliation as measured). Nothing when the record has no warm replay (older runs)."""
+    replay = result.get("warm_replay")
+    if not replay or not replay.get("batches"):
+        return []
+    ours, floor = result["ours"], result["floor"]
+    phases: dict[str, float] = {}
+    for batch in ours["batches"]:
+        for name, seconds in batch["phases"].items():
+            phases[name] = phases.get(name, 0.0) + seconds
+    run_work = phases.get("changelog", 0.0) + phases.get("merge", 0.0)
+    warm_work = replay["changelog_seconds"] + replay["merge_seconds"]
+    floor_seconds = floor["append_seconds"] + floor["merge_seconds"]
+    lines = [
+        f"  ours again on a warm JVM (changelog append + apply_changes of the same batches, no read): changelog "
+        f"{replay['changelog_seconds']:.1f} + merge {replay['merge_seconds']:.1f} = {warm_work:.1f} s, "
+        f"{warm_work / floor_seconds:.2f}x the floor's {floor_seconds:.1f} s; in the run the same phases took "
+        f"{phases.get('changelog', 0.0):.1f} + {phases.get('merge', 0.0):.1f} = {run_work:.1f} s: "
+        f"{run_work - warm_work:.1f} s more, a JVM warming up"
+    ]
+    first = (ours["batches"][0].get("jvm") or {}) if ours["batches"] else {}
+    lines.append(
+        f"  JIT compilers' seconds (all threads; 2 cores): {_jvm_total(ours['batches'], 'compile_seconds'):.1f} in "
+        f"the run's batches (first batch {first.get('compile_seconds', 0.0):.1f}), "
+        f"{_jvm_total(floor['batches'], 'compile_seconds'):.1f} in the floor's, "
+        f"{_jvm_total(replay['batches'], 'compile_seconds'):.1f} in the warm replay's; collectors' "
+        f"{_jvm_total(ours['batches'], 'gc_seconds'):.1f}, {_jvm_total(floor['batches'], 'gc_seconds'):.1f}, "
+        f"{_jvm_total(replay['batches'], 'gc_seconds'):.1f}"
+    )
+    warm_seconds = ours["seconds"] - run_work + warm_work
+    if warm_seconds > 0 and floor_seconds > 0:
+        ratio = (ours["changes"] / warm_seconds) / (ours["changes"] / floor_seconds)
+        rest = {k: round(v, 1) for k, v in phases.items() if k not in ("changelog", "merge")}
+        lines.append(
+            f"  ratio ours / floor with the run's changelog and merge phases at the warm replay's seconds: "
+            f"{ratio:.3f} ({warm_seconds:.1f} s; what is left besides them: {rest})"
+        )
+    return lines
 
 
 def plot(result: dict[str, Any], limit: float, mix: str = "update-heavy") -> None:
