@@ -320,6 +320,22 @@ def run(args: argparse.Namespace, lake: Path) -> dict[str, Any]:
 SUMS = ("count(*)", "sum(id)", "sum(amount)")
 
 
+def restored_copy(spark: Any, mirror_path: str, version: int, work: Path) -> str:
+    """A copy of the mirror at ``mirror_path`` in ``work/mirror`` (``work`` emptied first), restored to ``version``
+    (Delta ``RESTORE``: the copy's log keeps the later commits, its current files are those of ``version``)."""
+    from cdc_assets.lake.mirror import q
+
+    shutil.rmtree(work, ignore_errors=True)
+    shutil.copytree(mirror_path, work / "mirror")
+    spark.sql(f"RESTORE TABLE delta.{q(str(work / 'mirror'))} TO VERSION AS OF {version}")
+    return str(work / "mirror")
+
+
+def summed(batches: list[dict[str, Any]], *names: str) -> dict[str, Any]:
+    """``batches`` and, for each of ``names``, its sum over them."""
+    return {"batches": batches, **{name: sum(b[name] for b in batches) for name in names}}
+
+
 def delta_floor(
     spark: Any, mirror_path: str, changelog_path: str, version: int, bounds: list[tuple[int, int]],
     key_columns: list[str], lake: Path,
@@ -334,10 +350,7 @@ def delta_floor(
     from cdc_assets.sources.postgres.pg_values import UNREPRESENTABLE_COLUMN
 
     work = lake / "floor"
-    shutil.rmtree(work, ignore_errors=True)
-    shutil.copytree(mirror_path, work / "mirror")
-    spark.sql(f"RESTORE TABLE delta.{q(str(work / 'mirror'))} TO VERSION AS OF {version}")
-    mirror = DeltaTable.forPath(spark, str(work / "mirror"))
+    mirror = DeltaTable.forPath(spark, restored_copy(spark, mirror_path, version, work))
     columns = [f.name for f in mirror_source_fields(mirror)]
     changelog = spark.read.format("delta").load(changelog_path)
     keys = [f"_k_{k}" for k in key_columns]
@@ -373,13 +386,7 @@ def delta_floor(
                         "jvm": spent})  # fmt: skip
     sums = [str(v) for v in mirror.toDF().selectExpr(*SUMS).first()]
     shutil.rmtree(work, ignore_errors=True)
-    return {
-        "batches": batches,
-        "append_seconds": sum(b["append_seconds"] for b in batches),
-        "merge_seconds": sum(b["merge_seconds"] for b in batches),
-        "jvm_cpu_seconds": timed_jvm_cpu,
-        "sums": sums,
-    }
+    return {**summed(batches, "append_seconds", "merge_seconds"), "jvm_cpu_seconds": timed_jvm_cpu, "sums": sums}
 
 
 def jvm_spent(spark: Any, since: JvmClock | None) -> dict[str, float] | None:
@@ -403,13 +410,10 @@ def warm_replay(
     from delta.tables import DeltaTable
     from pyspark.sql import functions as F
 
-    from cdc_assets.lake.mirror import append_changelog, apply_changes, mirror_source_fields, q
+    from cdc_assets.lake.mirror import append_changelog, apply_changes, mirror_source_fields
 
     work = lake / "warm_replay"
-    shutil.rmtree(work, ignore_errors=True)
-    shutil.copytree(mirror_path, work / "mirror")
-    spark.sql(f"RESTORE TABLE delta.{q(str(work / 'mirror'))} TO VERSION AS OF {version}")
-    fields = mirror_source_fields(DeltaTable.forPath(spark, str(work / "mirror")))
+    fields = mirror_source_fields(DeltaTable.forPath(spark, restored_copy(spark, mirror_path, version, work)))
     changelog = spark.read.format("delta").load(changelog_path)
     batches = []
     for number, (low, high) in enumerate(bounds):
@@ -431,12 +435,7 @@ def warm_replay(
             changes.unpersist()
     sums = [str(v) for v in spark.read.format("delta").load(str(work / "mirror")).selectExpr(*SUMS).first()]
     shutil.rmtree(work, ignore_errors=True)
-    return {
-        "batches": batches,
-        "changelog_seconds": sum(b["changelog_seconds"] for b in batches),
-        "merge_seconds": sum(b["merge_seconds"] for b in batches),
-        "sums": sums,
-    }
+    return {**summed(batches, "changelog_seconds", "merge_seconds"), "sums": sums}
 
 
 def report(result: dict[str, Any], args: argparse.Namespace) -> None:

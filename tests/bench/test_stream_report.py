@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from bench.common import JvmClock
-from bench.stream import warm_lines
+from bench.stream import summed, warm_lines
 
 
 def record(replay: dict[str, Any] | None) -> dict[str, Any]:
@@ -50,3 +50,8 @@ def test_an_older_record_without_a_replay_gives_no_line() -> None:
 def test_two_readings_of_the_jvm_clock_give_what_happened_between() -> None:
     spent = JvmClock(12.5, 3.25) - JvmClock(10.0, 3.0)
     assert spent.to_json() == {"compile_seconds": 2.5, "gc_seconds": 0.25}
+
+
+def test_summed_keeps_the_batches_and_sums_each_named_field() -> None:
+    batches = [{"a": 1.0, "b": 2.0}, {"a": 0.5, "b": 1.0}]
+    assert summed(batches, "a") == {"batches": batches, "a": 1.5}
