@@ -20,15 +20,16 @@ run starts its own, see ``bench.freshness``):
    batches' phase seconds (read = peek + fetch + pgoutput decode + spill; changelog; merge; reconcile), CPU seconds and
    peak RSS of driver, JVM and Python workers. Checked afterwards: the mirror's row count, sum(id) and sum(amount)
    equal the source's.
-5. Floor, Spark and Delta alone on the same batches: a copy of the mirror as it was before step 4 (Delta
-   ``RESTORE`` of its version then), and for each of our batches, its changes taken from our changelog: their append
-   to a fresh Delta changelog, then the MERGE of their net change per key (precomputed and materialized beforehand,
-   untimed) with the pipeline's own statement (``merge_net_changes``). No slot read, no decode, no net-change
-   computation, and a JVM already warmed by step 4: what Spark and Delta alone take for these batches on this
-   machine, an upper bound of our rate. Checked: the copy's count and sums equal our mirror's. Steps 5 and 6 run
-   ``--warm-rounds`` times (default 2), the last round reported: a JVM that had run step 4 alone still spent 21.9 s
-   of its JIT compilers' time in the floor's timed statements (2026-12-07), and ours, run after it, was then
-   faster than the floor.
+5. Floor, Spark and Delta alone on the same batches: a copy of the mirror as it was before step 4 (Delta ``RESTORE``
+   of its version then), and for each of our batches, its changes taken from our changelog: their append to a fresh
+   Delta changelog, then the MERGE of their net change per key (precomputed and materialized beforehand, untimed)
+   with the pipeline's own statement (``merge_net_changes``), under the session settings ``apply_changes`` takes for
+   the copy's size (``merge_write_conf``) and, from ``TWO_STATEMENTS_FROM_BYTES`` on, as its two statements. No slot
+   read, no decode, no net-change computation, and a JVM already warmed by step 4: what Spark and Delta alone take
+   for these batches on this machine, an upper bound of our rate. Checked: the copy's count and sums equal our
+   mirror's. Steps 5 and 6 run ``--warm-rounds`` times (default 2), the last round reported: a JVM that had run step
+   4 alone still spent 21.9 s of its JIT compilers' time in the floor's timed statements (2026-12-07), and ours, run
+   after it, was then faster than the floor.
 6. Ours again, warm (``warm_replay``): the same batches through the pipeline's own ``append_changelog`` and
    ``apply_changes``, taken from our changelog, on another copy of the mirror as it was before step 4, after the
    floor. The difference to step 4's changelog and merge phases is the JVM's warm-up (the driver JVM's JIT
@@ -346,7 +347,15 @@ def delta_floor(
     from pyspark.sql import functions as F
     from pyspark.sql.window import Window
 
-    from cdc_assets.lake.mirror import merge_net_changes, mirror_source_fields, q
+    from cdc_assets.lake.delta_tables import table_state
+    from cdc_assets.lake.mirror import (
+        TWO_STATEMENTS_FROM_BYTES,
+        merge_net_changes,
+        merge_write_conf,
+        mirror_source_fields,
+        q,
+    )
+    from cdc_assets.lake.spark import session_conf
     from cdc_assets.sources.postgres.pg_values import UNREPRESENTABLE_COLUMN
 
     work = lake / "floor"
@@ -371,14 +380,17 @@ def delta_floor(
         )  # fmt: skip
         net.write.parquet(str(work / f"net-{number}"))
         changes = spark.read.parquet(str(work / f"changes-{number}"))
+        # the settings and statement count apply_changes would take for the copy's size now (read untimed)
+        size = table_state(spark, mirror, str(work / "mirror")).size_bytes
         sampler = Sampler(os.getpid(), interval=0.1, lifetime_peak=False).start()
         clock = jvm_clock(spark)
         started = time.monotonic()
         changes.write.format("delta").mode("append").save(str(work / "changelog"))
         append_seconds = time.monotonic() - started
         started = time.monotonic()
-        merge_net_changes(mirror, spark.read.parquet(str(work / f"net-{number}")), columns, key_columns,
-                          str(work / "mirror"))  # fmt: skip
+        with session_conf(spark, merge_write_conf(size)):
+            merge_net_changes(mirror, spark.read.parquet(str(work / f"net-{number}")), columns, key_columns,
+                              str(work / "mirror"), two_statements=size >= TWO_STATEMENTS_FROM_BYTES)  # fmt: skip
         merge_seconds = time.monotonic() - started
         spent = jvm_spent(spark, clock)
         timed_jvm_cpu += sampler.finish()["jvm"].cpu_seconds
