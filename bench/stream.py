@@ -163,6 +163,8 @@ def main(argv: list[str] | None = None) -> int:
         "the JVM for both)",
     )  # fmt: skip
     args = parser.parse_args(argv)
+    if args.warm_rounds < 1:
+        parser.error(f"--warm-rounds must be 1 or more (the last round is reported), not {args.warm_rounds}")
 
     ensure_database()
     install_workload()
