@@ -452,6 +452,15 @@ def warm_replay(
     return {**summed(batches, "changelog_seconds", "merge_seconds"), "sums": sums}
 
 
+def phase_totals(batches: list[dict[str, Any]]) -> dict[str, float]:
+    """Each phase's seconds summed over the run's ``batches`` (their ``phases``)."""
+    phases: dict[str, float] = {}
+    for batch in batches:
+        for name, seconds in batch["phases"].items():
+            phases[name] = phases.get(name, 0.0) + seconds
+    return phases
+
+
 def report(result: dict[str, Any], args: argparse.Namespace) -> None:
     changes = result["workload"]["changes"]
     count_runs = [d for d in result["decode"] if d["kind"] == "peek count(*)"]
@@ -478,10 +487,7 @@ def report(result: dict[str, Any], args: argparse.Namespace) -> None:
         ["what", "changes", "messages", "seconds", "changes/s", "pg cpu s"],
         rows,
     )
-    phases: dict[str, float] = {}
-    for batch in ours["batches"]:
-        for name, seconds in batch["phases"].items():
-            phases[name] = phases.get(name, 0.0) + seconds
+    phases = phase_totals(ours["batches"])
     rates = [b["changes"] / b["seconds"] for b in ours["batches"] if b["changes"] and b["seconds"]]
     print(f"  ratio ours / decode limit: {ours_rate / limit:.3f} ({ours_rate:,.0f} vs {limit:,.0f} changes/s)")
     print(f"  batches: {len(ours['batches'])}, changes/s per batch p50 {percentile(rates, 50) or 0:,.0f}, "
@@ -520,10 +526,7 @@ def warm_lines(result: dict[str, Any]) -> list[str]:
     if not replay or not replay.get("batches"):
         return []
     ours, floor = result["ours"], result["floor"]
-    phases: dict[str, float] = {}
-    for batch in ours["batches"]:
-        for name, seconds in batch["phases"].items():
-            phases[name] = phases.get(name, 0.0) + seconds
+    phases = phase_totals(ours["batches"])
     run_work = phases.get("changelog", 0.0) + phases.get("merge", 0.0)
     warm_work = replay["changelog_seconds"] + replay["merge_seconds"]
     floor_seconds = floor["append_seconds"] + floor["merge_seconds"]
