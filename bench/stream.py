@@ -24,7 +24,7 @@ run starts its own, see ``bench.freshness``):
    of its version then), and for each of our batches, its changes taken from our changelog: their append to a fresh
    Delta changelog, then the MERGE of their net change per key (precomputed and materialized beforehand, untimed)
    with the pipeline's own statement (``merge_net_changes``), under the session settings ``apply_changes`` takes for
-   the copy's size (``merge_write_conf``) and, from ``TWO_STATEMENTS_FROM_BYTES`` on, as its two statements. No slot
+   the copy's size (``merge_write_conf``) and, where it would (``takes_two_statements``), as its two statements. No slot
    read, no decode, no net-change computation, and a JVM already warmed by step 4: what Spark and Delta alone take
    for these batches on this machine, an upper bound of our rate. Checked: the copy's count and sums equal our
    mirror's. Steps 5 and 6 run ``--warm-rounds`` times (default 2), the last round reported: a JVM that had run step
@@ -351,11 +351,11 @@ def delta_floor(
 
     from cdc_assets.lake.delta_tables import table_state
     from cdc_assets.lake.mirror import (
-        TWO_STATEMENTS_FROM_BYTES,
         merge_net_changes,
         merge_write_conf,
         mirror_source_fields,
         q,
+        takes_two_statements,
     )
     from cdc_assets.lake.spark import session_conf
     from cdc_assets.sources.postgres.pg_values import UNREPRESENTABLE_COLUMN
@@ -392,7 +392,7 @@ def delta_floor(
         started = time.monotonic()
         with session_conf(spark, merge_write_conf(size)):
             merge_net_changes(mirror, spark.read.parquet(str(work / f"net-{number}")), columns, key_columns,
-                              str(work / "mirror"), two_statements=size >= TWO_STATEMENTS_FROM_BYTES)  # fmt: skip
+                              str(work / "mirror"), two_statements=takes_two_statements(size))  # fmt: skip
         merge_seconds = time.monotonic() - started
         spent = jvm_spent(spark, clock)
         timed_jvm_cpu += sampler.finish()["jvm"].cpu_seconds

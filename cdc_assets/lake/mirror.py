@@ -410,7 +410,7 @@ def apply_changes(
     # each statement of merge_net_changes computes the net changes again, and the second one must not see the rows
     # the first one deleted (a key change's old row)
     found = table_state(spark, mirror, path)
-    two_statements = found.size_bytes >= TWO_STATEMENTS_FROM_BYTES
+    two_statements = takes_two_statements(found.size_bytes)
     batch_events = events
     resolve = sorted(c for c in unchanged_columns if c in after_fields)
     if resolve:
@@ -516,6 +516,13 @@ def append_new_keys(mirror: T.StructType, new_rows: DataFrame, key_columns: Sequ
 # inserts: 10.8 s as one MERGE against 5.3 s as two at 900 MB (10M rows), 2.62 against 2.61 s at 140 MB (1M rows);
 # at 21 MB (the freshness bench's 50k rows) two statements made a batch's merge phase 3.21 s instead of 1.47 s
 TWO_STATEMENTS_FROM_BYTES = 256 * 1024 * 1024
+
+
+def takes_two_statements(size_bytes: int) -> bool:
+    """Whether a batch into a mirror of ``size_bytes`` is written as ``merge_net_changes``'s two statements: from
+    ``TWO_STATEMENTS_FROM_BYTES`` on (read at the call, so a bench may move the threshold). The one place that
+    decides it: ``apply_changes`` and ``bench.stream``'s floor both ask here."""
+    return size_bytes >= TWO_STATEMENTS_FROM_BYTES
 
 
 # a mirror smaller than this takes a batch's MERGE by rewriting the files it touches (copy on write) rather than by
