@@ -9,6 +9,7 @@ import datetime as dt
 import re
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pymongo
@@ -24,10 +25,11 @@ from bson.timestamp import Timestamp
 from pymongo.change_stream import ChangeStream
 from pymongo.collection import Collection
 from pymongo.database import Database
-from pymongo.errors import AutoReconnect, ConfigurationError, DuplicateKeyError, OperationFailure
+from pymongo.errors import AutoReconnect, BulkWriteError, ConfigurationError, DuplicateKeyError, OperationFailure
 from pymongo.read_concern import ReadConcern
 
 from cdc_assets.sources.mongodb.bson_order import canonical_json, sort_key
+from tests.integration.mongo_support import start_mongo_test_server
 
 EVENT_FIELDS = {"_id", "operationType", "clusterTime", "documentKey", "fullDocument"}
 
@@ -86,20 +88,7 @@ def test_crud(db: Database) -> None:
 
 
 def test_values_round_trip_except_binary_subtype_128(db: Database) -> None:
-    document = {
-        "_id": ObjectId("0123456789abcdef01234567"),
-        "i": 1,
-        "l": Int64(1),
-        "d": 1.0,
-        "dec": Decimal128("1.0000000000000000000000000000001"),
-        "t": dt.datetime(1960, 1, 1, 0, 0, 0, 1000),
-        "ts": Timestamp(5, 6),
-        "re": Regex("^a", "i"),
-        "u": Binary(uuid.UUID(int=9).bytes, 4),
-        "old_uuid": Binary(uuid.UUID(int=9).bytes, 3),
-        "b": b"\x00\x01",
-        "nested": {"z": [1, Int64(2), {"a": None}], "a": MinKey(), "m": MaxKey()},
-    }
+    document = every_type_document()
     db.values.insert_one(document)
     assert canonical_json(db.values.find_one()) == canonical_json(document)
     db.values.insert_one({"_id": 2, "b": Binary(b"\x00\x01", 128)})
@@ -121,6 +110,63 @@ def test_a_15_mb_document_round_trips_also_through_a_change_stream(db: Database,
     with db.big.watch(start_at_operation_time=start) as stream:
         (event,) = drain(stream, 1)
     assert event["fullDocument"]["s"] == big
+
+
+def every_type_document() -> dict[str, Any]:
+    """One document with a value of each type the source maps (binary subtypes 0, 3 and 4 included)."""
+    return {
+        "_id": ObjectId("0123456789abcdef01234567"),
+        "i": 1,
+        "l": Int64(1),
+        "d": 1.0,
+        "dec": Decimal128("1.0000000000000000000000000000001"),
+        "t": dt.datetime(1960, 1, 1, 0, 0, 0, 1000),
+        "ts": Timestamp(5, 6),
+        "re": Regex("^a", "i"),
+        "u": Binary(uuid.UUID(int=9).bytes, 4),
+        "old_uuid": Binary(uuid.UUID(int=9).bytes, 3),
+        "b": b"\x00\x01",
+        "nested": {"z": [1, Int64(2), {"a": None}], "a": MinKey(), "m": MaxKey()},
+    }
+
+
+@pytest.mark.parametrize("backend", ["memory", "h2"])
+def test_a_refused_insert_reaches_no_change_stream(backend: str, client: pymongo.MongoClient, tmp_path: Path) -> None:
+    """The launcher's correction of mongo-java-server 1.47.0 (``cdclake.StoredInsertsOplog``): the library logs
+    every document of an insert command in its oplog, the refused ones included, so a change stream saw a second
+    insert of an ``_id`` that E11000 refused, and the documents an ordered ``insertMany`` never tried after it. Only
+    stored documents reach the oplog now, on either backend (the demo's is H2), and a document of every type still
+    does (the correction compares the stored document with the inserted one)."""
+    server = None
+    if backend == "h2":
+        server = start_mongo_test_server(tmp_path / "logs", data_file=tmp_path / "store.mv.db")
+        client = pymongo.MongoClient(server.uri)
+    try:
+        items = client["refused_inserts"].items
+        items.drop()
+        start = next_position(client)
+        items.insert_one({"_id": "k", "v": 1})
+        with pytest.raises(DuplicateKeyError):
+            items.insert_one({"_id": "k", "v": 2})
+        with pytest.raises(BulkWriteError):
+            items.insert_many([{"_id": "m", "v": 1}, {"_id": "k", "v": 3}, {"_id": "n", "v": 1}])  # ordered
+        items.insert_one(every_type_document())
+        items.update_one({"_id": "k"}, {"$set": {"v": 4}}, upsert=True)
+        items.update_one({"_id": "u"}, {"$set": {"v": 5}}, upsert=True)  # an upsert's insert is logged as one
+        stored = sorted(str(document["_id"]) for document in items.find())
+        assert stored == sorted(["k", "m", "u", str(every_type_document()["_id"])]), stored
+        with items.watch(start_at_operation_time=start, full_document="updateLookup") as stream:
+            events = drain(stream, 7, attempts=20)
+        seen = [(e["operationType"], e["fullDocument"]["_id"]) for e in events]  # an update's documentKey is odd
+        assert seen == [
+            ("insert", "k"), ("insert", "m"), ("insert", every_type_document()["_id"]), ("update", "k"),
+            ("insert", "u"),
+        ], seen  # fmt: skip
+        assert canonical_json(events[2]["fullDocument"]) == canonical_json(every_type_document())
+    finally:
+        if server is not None:
+            client.close()
+            server.stop()
 
 
 def test_collection_watch_from_an_operation_time(db: Database, client: pymongo.MongoClient) -> None:

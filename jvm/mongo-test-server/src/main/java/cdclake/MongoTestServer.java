@@ -4,6 +4,7 @@ import de.bwaldvogel.mongo.MongoServer;
 import de.bwaldvogel.mongo.backend.AbstractMongoBackend;
 import de.bwaldvogel.mongo.backend.h2.H2Backend;
 import de.bwaldvogel.mongo.backend.memory.MemoryBackend;
+import de.bwaldvogel.mongo.oplog.Oplog;
 import java.net.InetSocketAddress;
 import java.util.concurrent.CountDownLatch;
 
@@ -17,6 +18,7 @@ import java.util.concurrent.CountDownLatch;
  * with the bound port. Runs until the JVM is asked to stop (SIGTERM, SIGINT): a shutdown hook then closes the server
  * (and the file, committed). The server logs warnings and errors on stderr (more with
  * {@code -Dorg.slf4j.simpleLogger.defaultLogLevel=info}). Without FILE all data is gone when the process ends.
+ * Either backend logs an insert in its oplog only when the document was stored ({@link StoredInsertsOplog}).
  */
 public final class MongoTestServer {
   private MongoTestServer() {}
@@ -32,7 +34,20 @@ public final class MongoTestServer {
     String host = args.length > 0 ? args[0] : "127.0.0.1";
     int port = args.length > 1 ? Integer.parseInt(args[1]) : 0;
 
-    AbstractMongoBackend backend = args.length > 2 ? new H2Backend(args[2]) : new MemoryBackend();
+    AbstractMongoBackend backend =
+        args.length > 2
+            ? new H2Backend(args[2]) {
+              @Override
+              protected Oplog createOplog() {
+                return new StoredInsertsOplog(super.createOplog(), this);
+              }
+            }
+            : new MemoryBackend() {
+              @Override
+              protected Oplog createOplog() {
+                return new StoredInsertsOplog(super.createOplog(), this);
+              }
+            };
     backend.enableOplog();
     MongoServer server = new MongoServer(backend);
     server.bind(host, port);
