@@ -107,21 +107,26 @@ def _image(
     value_lengths = np.zeros((len(rows), column_count), np.int64)
     texts = np.zeros((len(rows), column_count), bool)
     unchanged = np.zeros((len(rows), column_count), bool)
+    words = np.lib.stride_tricks.sliding_window_view(buffer, 4)  # words[i]: the 4 bytes at i, not copied
     for column in range(column_count):
         _check_inside(offsets + 1, limits)  # also checks where the column before it ended
         kind = buffer[offsets]
-        text, null, toast = kind == _TEXT, kind == _NULL, kind == _UNCHANGED
+        text = kind == _TEXT
+        if text.all():  # the usual case: every message sent this column's value
+            _check_inside(offsets + 5, limits)
+            length = _big_endian_uint32(words, offsets + 1)
+            value_starts[:, column] = offsets + 5
+            value_lengths[:, column] = length
+            texts[:, column] = True
+            offsets = offsets + 5 + length
+            continue
+        null, toast = kind == _NULL, kind == _UNCHANGED
         if not (text | null | toast).all():
             bad = int(kind[~(text | null | toast)][0])
             raise PgOutputError(f"unknown tuple value kind {chr(bad)!r}: only text format is requested")
         at = offsets[text]
         _check_inside(at + 5, limits[text])
-        length = (
-            (buffer[at + 1].astype(np.int64) << 24)
-            | (buffer[at + 2].astype(np.int64) << 16)
-            | (buffer[at + 3].astype(np.int64) << 8)
-            | buffer[at + 4]
-        )
+        length = _big_endian_uint32(words, at + 1)
         value_starts[text, column] = at + 5
         value_lengths[text, column] = length
         texts[:, column] = text
@@ -139,6 +144,11 @@ def _image(
     return Image([v.take(take) for v in values], full_unchanged, present), ends
 
 
+def _big_endian_uint32(words: np.ndarray, at: np.ndarray) -> np.ndarray:
+    """The unsigned 32-bit big-endian numbers at byte offsets ``at`` (checked inside the buffer), as int64."""
+    return words[at].view(">u4").ravel().astype(np.int64)
+
+
 def _check_inside(offsets: np.ndarray, limits: np.ndarray) -> None:
     if (offsets > limits).any():
         raise PgOutputError("tuple runs past the end of its message")
@@ -148,13 +158,16 @@ def _columns(buffer: np.ndarray, starts: np.ndarray, lengths: np.ndarray, texts:
     """One string array per column from the value ranges (row-major: every range lies after the one before it)."""
     rows, columns = starts.shape
     flat_starts, flat_lengths = starts.ravel(), lengths.ravel()
-    nonempty = flat_lengths > 0
-    edges = np.zeros(len(buffer) + 1, np.int8)
-    edges[flat_starts[nonempty]] = 1
-    edges[flat_starts[nonempty] + flat_lengths[nonempty]] -= 1
-    data = buffer[np.cumsum(edges[:-1], dtype=np.int8).astype(bool)]
     offsets = np.zeros(rows * columns + 1, np.int64)
     np.cumsum(flat_lengths, out=offsets[1:])
+    if offsets[-1] * 8 < len(buffer):  # few bytes of the buffer (an old image of keys only): gather them
+        data = buffer[np.repeat(flat_starts - offsets[:-1], flat_lengths) + np.arange(offsets[-1])]
+    else:  # most of it: mark the ranges and keep the marked bytes, no index per byte
+        nonempty = flat_lengths > 0
+        edges = np.zeros(len(buffer) + 1, np.int8)
+        edges[flat_starts[nonempty]] = 1
+        edges[flat_starts[nonempty] + flat_lengths[nonempty]] -= 1
+        data = buffer[np.cumsum(edges[:-1], dtype=np.int8).astype(bool)]
     validity = np.packbits(texts.ravel(), bitorder="little")
     everything = pa.LargeStringArray.from_buffers(
         rows * columns, pa.py_buffer(offsets), pa.py_buffer(data), pa.py_buffer(validity)
