@@ -13,7 +13,10 @@ Contract:
   numbers that keep one fetch at about ``spill_bytes / 4`` at the message sizes seen so far (doubling from one
   row). A row change is kept as its message until its part is written, then the part's messages are
   decoded together, column by column (``cdc_assets.sources.postgres.row_images``). Values are decoded with the
-  same codec as the snapshot path.
+  same codec as the snapshot path. Parts are decoded and written on ``SPILL_WRITER_THREADS`` threads while the
+  next messages are read (``PartWriter``): the parts in flight hold at most that many times ``spill_bytes`` of
+  messages, or one part larger than that alone; every part is written before ``read_batch`` returns, and a part
+  that failed fails the read with its own error.
 - Each spilled change carries ``_cdc_commit_lsn`` (the commit record's start, known at Begin) and ``_cdc_seq`` (order
   within its transaction); ``spill_dir/transactions.parquet`` maps each commit to its ``end_lsn`` (the change's
   ``_cdc_position``), 64-bit xid and commit time.
@@ -40,9 +43,11 @@ Contract:
 
 from __future__ import annotations
 
-import itertools
+import struct
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import TypeVar
@@ -59,12 +64,15 @@ from cdc_assets.source import CapturedTablesChanged, PermanentBatchError
 from cdc_assets.sources.postgres.catalog import CapturedTable
 from cdc_assets.sources.postgres.lsn import format_lsn, parse_lsn
 from cdc_assets.sources.postgres.pg_values import PgColumn, columns_from_catalog, decode_text_table
-from cdc_assets.sources.postgres.pgoutput import Begin, Commit, PgOutputDecoder, Relation, Truncate
+from cdc_assets.sources.postgres.pgoutput import Begin, Commit, PgOutputDecoder, PgOutputError, Relation, Truncate
 from cdc_assets.sources.postgres.row_images import decode_row_images
 from cdc_assets.sources.postgres.snapshot import in_recovery
 from cdc_assets.sources.postgres.watermark import widen_xid
 
 ROW_CHANGE_TYPES = frozenset(b"IUD")  # Insert, Update, Delete
+_RELATION_ID = struct.Struct("!I")  # after a row change's type byte
+_UNRESOLVED = object()
+SPILL_WRITER_THREADS = 2  # parts decoded and written at once beside the read (bench/RESULTS.md, "read phase")
 # how long a peek waits for a slot that another session is using (a probe takes milliseconds, a batch read longer)
 SLOT_BUSY_SECONDS = 30.0
 SLOT_BUSY_PAUSE_SECONDS = 0.2
@@ -83,7 +91,8 @@ class TableSpill:
     directory: LakePath
     parts: list[LakePath] = field(default_factory=list)
     messages: list[bytes] = field(default_factory=list)  # row changes, decoded column-wise when flushed
-    positions: list[tuple[int, int]] = field(default_factory=list)  # (commit_lsn, seq) of each message
+    commit_lsns: list[int] = field(default_factory=list)  # of each message
+    seqs: list[int] = field(default_factory=list)  # of each message: its order within its transaction
     truncate_positions: list[tuple[int, int]] = field(default_factory=list)  # not flushed yet
     unchanged_columns: set[str] = field(default_factory=set)
     truncations: list[tuple[int, int]] = field(default_factory=list)  # (commit_lsn, seq), the whole batch
@@ -91,17 +100,35 @@ class TableSpill:
     bytes: int = 0  # the messages of its row changes, the whole batch
     pending_bytes: int = 0  # the messages not flushed yet
     added_columns: list[PgColumn] = field(default_factory=list)
+    writer: PartWriter | None = None  # None: each part is written by ``flush`` itself
 
     @property
     def pending(self) -> int:
         return len(self.messages) + len(self.truncate_positions)
 
     def flush(self) -> None:
+        """Write the pending changes as the next part (by the spill's ``writer`` when it has one), then hold none."""
         if not self.pending:
             return
-        names = [c.name for c in self.columns]
-        images = decode_row_images(self.messages, len(names))
-        truncates = len(self.truncate_positions)
+        path = self.directory / f"part-{len(self.parts):05d}.parquet"
+        messages, commit_lsns, seqs, truncates, columns, size = (
+            self.messages, self.commit_lsns, self.seqs, self.truncate_positions, self.columns, self.pending_bytes
+        )  # fmt: skip
+        self.parts.append(path)
+        self.messages, self.commit_lsns, self.seqs, self.truncate_positions = [], [], [], []
+        self.pending_bytes = 0
+        if self.writer is None:
+            self._write_part(path, columns, messages, commit_lsns, seqs, truncates)
+        else:
+            self.writer.submit(lambda: self._write_part(path, columns, messages, commit_lsns, seqs, truncates), size)
+
+    def _write_part(
+        self, path: LakePath, columns: list[PgColumn], messages: list[bytes], commit_lsns: list[int], seqs: list[int],
+        truncate_positions: list[tuple[int, int]],
+    ) -> None:  # fmt: skip
+        names = [c.name for c in columns]
+        images = decode_row_images(messages, len(names))
+        truncates = len(truncate_positions)
         unchanged = images.new.unchanged.copy()
         full_old = images.old.present & ~images.old_is_key_only
         after_texts: dict[str, pa.Array] = {}
@@ -119,10 +146,11 @@ class TableSpill:
             for i, name in enumerate(names)
         }
         self.unchanged_columns |= {names[i] for i in np.flatnonzero(unchanged.any(axis=0))}
-        after = decode_text_table(self.columns, pa.table(after_texts))
-        before = decode_text_table(self.columns, pa.table(before_texts))
+        after = decode_text_table(columns, pa.table(after_texts))
+        before = decode_text_table(columns, pa.table(before_texts))
         no_image, no_columns = np.zeros(truncates, bool), np.zeros((truncates, len(names)), bool)
-        commits, seqs = zip(*self.positions, *self.truncate_positions, strict=True)
+        truncate_commits, truncate_seqs = zip(*truncate_positions, strict=True) if truncates else ((), ())
+        commits, seqs = [*commit_lsns, *truncate_commits], [*seqs, *truncate_seqs]
         part = pa.table(
             {
                 "_cdc_op": pa.array(np.concatenate([images.ops, np.full(truncates, "t")]), pa.string()),
@@ -135,12 +163,51 @@ class TableSpill:
             }
         )
         self.directory.mkdir()
-        path = self.directory / f"part-{len(self.parts):05d}.parquet"
-        # one row group: a reader (Spark's Parquet reader) holds one part's bytes at most, never more
-        pq.write_table(part, path.path, row_group_size=max(1, part.num_rows), filesystem=path.filesystem)
-        self.parts.append(path)
-        self.messages, self.positions, self.truncate_positions = [], [], []
-        self.pending_bytes = 0
+        # one row group: a reader (Spark's Parquet reader) holds one part's bytes at most, never more; a part is
+        # read whole, once, without a filter: no statistics and no dictionaries to compute (a part of 50,000
+        # update-heavy changes is written in about half the time)
+        pq.write_table(
+            part, path.path, row_group_size=max(1, part.num_rows), use_dictionary=False, write_statistics=False,
+            filesystem=path.filesystem,
+        )  # fmt: skip
+
+
+class PartWriter:
+    """Writes spill parts on ``threads`` threads beside the reading of the next messages.
+
+    Contract: ``submit(write, size)`` first waits (oldest part first) until fewer than ``threads`` parts are in
+    flight and their messages' bytes with this part's ``size`` are at most ``max_bytes``, or none is, and raises
+    the error of any part it waited for. So parts of one large value are written one at a time, as before, and the
+    parts being written hold at most ``max_bytes`` of messages or one part. ``wait()`` waits for every part in
+    flight, oldest first, and raises the first error; ``close()`` waits for them without raising (a read that failed
+    keeps its own error) and ends the threads. Decoding and writing a part is numpy, Arrow and Parquet work that
+    mostly runs outside the GIL, while reading the messages is Python's."""
+
+    def __init__(self, threads: int, max_bytes: int) -> None:
+        self.threads, self.max_bytes = threads, max_bytes
+        self._executor = ThreadPoolExecutor(threads, thread_name_prefix="spill-part")
+        self._in_flight: deque[tuple[Future[None], int]] = deque()
+        self._in_flight_bytes = 0
+
+    def submit(self, write: Callable[[], None], size: int) -> None:
+        while self._in_flight and (
+            len(self._in_flight) >= self.threads or self._in_flight_bytes + size > self.max_bytes
+        ):
+            self._wait_oldest()
+        self._in_flight.append((self._executor.submit(write), size))
+        self._in_flight_bytes += size
+
+    def wait(self) -> None:
+        while self._in_flight:
+            self._wait_oldest()
+
+    def _wait_oldest(self) -> None:
+        oldest, size = self._in_flight.popleft()
+        self._in_flight_bytes -= size
+        oldest.result()
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=True)
 
 
 def _name_lists(names: list[str], marked: np.ndarray) -> pa.ListArray:
@@ -255,65 +322,25 @@ def read_batch(
     start_lsn, _ = slot_position(conn, slot)
     flush_lsn = current_flush_lsn(conn)
     (reference_xid,) = conn.execute("select pg_snapshot_xmax(pg_current_snapshot())::text::bigint").fetchone()
-    decoder = PgOutputDecoder()
-    spills: dict[str, TableSpill] = {}
-    transactions: list[tuple[int, int, int, datetime]] = []
-    seq = itertools.count()
-    rows_read = 0
-    changes = 0
-    batch_bytes = 0
-    cut_by_bytes = False
-    current_xid = 0
-    relation_columns: dict[int, list[PgColumn]] = {}
-    roots: dict[int, str | None] = {}  # relation oid -> captured table it belongs to (itself or its partition root)
-    # binary: the messages arrive as they are, not hex-encoded by the server and decoded again here
-    with conn.transaction(), conn.cursor(name="cdc_peek", binary=True) as cursor:
-        cursor.execute(
-            "select data from pg_logical_slot_peek_binary_changes(%s, %s::pg_lsn, %s, "
-            "'proto_version', '1', 'publication_names', %s)",
-            [slot, format_lsn(flush_lsn), max_changes, publication],
-        )
-        for data in _fetched_messages(cursor, max(1, spill_bytes // 4)):
-            rows_read += 1
-            if data[0] in ROW_CHANGE_TYPES:  # kept as they are and decoded column-wise when flushed
-                begin = decoder.transaction()
-                spill = _spill_for(
-                    decoder.relation_of(data), tables, spills, spill_dir, relation_columns, conn, roots, would_capture
-                )
-                if spill is None:
-                    continue
-                changes += 1
-                spill.changes += 1
-                spill.messages.append(data)
-                spill.positions.append((begin.final_lsn, next(seq)))
-                spill.bytes += len(data)
-                spill.pending_bytes += len(data)
-                batch_bytes += len(data)
-                if spill.pending >= spill_rows or spill.pending_bytes >= spill_bytes:
-                    spill.flush()
-                continue
-            message = decoder.decode(data)
-            if isinstance(message, Begin):
-                current_xid = widen_xid(message.xid, reference_xid)
-                seq = itertools.count()  # order within the transaction: (commit lsn, seq) is unique and stable
-            elif isinstance(message, Commit):
-                transactions.append((message.commit_lsn, message.end_lsn, current_xid, message.commit_ts))
-                if max_bytes is not None and batch_bytes >= max_bytes:
-                    cut_by_bytes = True  # a transaction boundary: the rest waits for the next batch
+    reader = _BatchReader(conn, tables, spill_dir, spill_rows, spill_bytes, max_bytes, would_capture, reference_xid)
+    try:
+        # binary: the messages arrive as they are, not hex-encoded by the server and decoded again here
+        with conn.transaction(), conn.cursor(name="cdc_peek", binary=True) as cursor:
+            cursor.execute(
+                "select data from pg_logical_slot_peek_binary_changes(%s, %s::pg_lsn, %s, "
+                "'proto_version', '1', 'publication_names', %s)",
+                [slot, format_lsn(flush_lsn), max_changes, publication],
+            )
+            for messages in _fetches(cursor, max(1, spill_bytes // 4)):
+                if not reader.take(messages):
                     break
-            elif isinstance(message, Truncate):
-                for relation in _truncated(message.relations, tables, conn, roots, would_capture):
-                    spill = _spill_for(relation, tables, spills, spill_dir, relation_columns, conn, roots, None)
-                    if spill is not None:
-                        changes += 1
-                        spill.changes += 1
-                        position = next(seq)
-                        spill.truncations.append((message.begin.final_lsn, position))
-                        spill.truncate_positions.append((message.begin.final_lsn, position))
-            elif isinstance(message, Relation):
-                relation_columns.pop(message.relation_id, None)
-    for spill in spills.values():
-        spill.flush()
+        for spill in reader.spills.values():
+            spill.flush()
+        reader.writer.wait()
+    finally:
+        reader.writer.close()
+    spills, transactions = reader.spills, reader.transactions
+    rows_read, changes, batch_bytes, cut_by_bytes = reader.rows_read, reader.changes, reader.bytes, reader.cut_by_bytes
     cut = rows_read >= max_changes or cut_by_bytes
     last = transactions[-1] if transactions else None
     applied = last[1] if cut and last else max(flush_lsn, start_lsn)
@@ -355,20 +382,122 @@ def read_batch(
 FETCH_ROWS_MAX = 5000
 
 
-def _fetched_messages(cursor: psycopg.ServerCursor, fetch_bytes: int) -> Iterator[bytes]:
+def _fetches(cursor: psycopg.ServerCursor, fetch_bytes: int) -> Iterator[list[bytes]]:
     """The cursor's messages, fetched in numbers that keep one fetch at about ``fetch_bytes`` at the largest message
     size of the previous fetch: from one row, at most doubling per fetch, up to ``FETCH_ROWS_MAX`` rows."""
     rows = 1
     while True:
-        fetched = cursor.fetchmany(rows)
-        if not fetched:
+        messages = [data for (data,) in cursor.fetchmany(rows)]
+        if not messages:
             return
-        largest = 1
-        for (data,) in fetched:
-            largest = max(largest, len(data))
-            yield data
-        del fetched
-        rows = max(1, min(2 * rows, FETCH_ROWS_MAX, fetch_bytes // largest))
+        largest = max(map(len, messages))
+        yield messages
+        del messages
+        rows = max(1, min(2 * rows, FETCH_ROWS_MAX, fetch_bytes // max(1, largest)))
+
+
+class _BatchReader:
+    """The messages of one batch, taken a fetch at a time, kept per captured table (see the module docstring).
+
+    Contract: ``take(messages)`` keeps what the messages say, in order: every row change of a captured table in its
+    table's spill with its commit and its order in its transaction, the transactions' commits, truncations, a
+    spill's columns switched where a Relation message changed them; it returns False once a commit reached
+    ``max_bytes`` (the messages after it are not taken). Which spill a relation's changes go to is decided once
+    per Relation message (``relation_spills``), not once per change: a row change costs a few dictionary and list
+    operations until its part is written."""
+
+    def __init__(
+        self, conn: psycopg.Connection, tables: dict[str, CapturedTable], spill_dir: LakePath, spill_rows: int,
+        spill_bytes: int, max_bytes: int | None, would_capture: Callable[[str, str], bool] | None, reference_xid: int,
+    ) -> None:  # fmt: skip
+        self.conn, self.tables, self.spill_dir = conn, tables, spill_dir
+        self.spill_rows, self.spill_bytes, self.max_bytes = spill_rows, spill_bytes, max_bytes
+        self.would_capture, self.reference_xid = would_capture, reference_xid
+        self.decoder = PgOutputDecoder()
+        self.spills: dict[str, TableSpill] = {}
+        self.transactions: list[tuple[int, int, int, datetime]] = []
+        self.relation_columns: dict[int, list[PgColumn]] = {}
+        self.roots: dict[int, str | None] = {}  # relation oid -> captured table it is or is a partition of
+        self.relation_spills: dict[int, TableSpill | None] = {}  # until the relation's next Relation message
+        self.rows_read = self.changes = self.bytes = 0
+        self.seq = 0  # the next change's order within its transaction: (commit lsn, seq) is unique and stable
+        self.xid = 0
+        self.cut_by_bytes = False
+        self.writer = PartWriter(SPILL_WRITER_THREADS, SPILL_WRITER_THREADS * spill_bytes)
+
+    def take(self, messages: list[bytes]) -> bool:
+        relation_spills, relation_columns = self.relation_spills, self.relation_columns
+        spill_rows, spill_bytes = self.spill_rows, self.spill_bytes
+        for data in messages:
+            self.rows_read += 1
+            if data[0] not in ROW_CHANGE_TYPES:
+                if not self._take_other(data):
+                    return False
+                continue
+            (relation_id,) = _RELATION_ID.unpack_from(data, 1)
+            spill = relation_spills.get(relation_id, _UNRESOLVED)
+            if spill is _UNRESOLVED:
+                spill = self._spill_of(relation_id, data)
+            if spill is None:
+                continue
+            if spill.columns is not relation_columns[relation_id]:  # the spill's changes switched relation
+                _switch_columns(spill, relation_columns[relation_id])
+            begin = self.decoder.current
+            if begin is None:
+                raise PgOutputError("row change outside a transaction (no Begin message before it)")
+            size = len(data)
+            spill.messages.append(data)
+            spill.commit_lsns.append(begin.final_lsn)
+            spill.seqs.append(self.seq)
+            self.seq += 1
+            self.changes += 1
+            self.bytes += size
+            spill.changes += 1
+            spill.bytes += size
+            spill.pending_bytes += size
+            if len(spill.messages) + len(spill.truncate_positions) >= spill_rows or spill.pending_bytes >= spill_bytes:
+                spill.flush()
+        return True
+
+    def _spill_of(self, relation_id: int, message: bytes) -> TableSpill | None:
+        """The spill of a relation's row changes (None: not captured), decided at its first change after its
+        Relation message."""
+        spill = _spill_for(
+            self.decoder.relation_of(message), self.tables, self.spills, self.spill_dir, self.relation_columns,
+            self.conn, self.roots, self.would_capture,
+        )  # fmt: skip
+        if spill is not None:
+            spill.writer = self.writer
+        self.relation_spills[relation_id] = spill
+        return spill
+
+    def _take_other(self, data: bytes) -> bool:
+        message = self.decoder.decode(data)
+        if isinstance(message, Begin):
+            self.xid = widen_xid(message.xid, self.reference_xid)
+            self.seq = 0
+        elif isinstance(message, Commit):
+            self.transactions.append((message.commit_lsn, message.end_lsn, self.xid, message.commit_ts))
+            if self.max_bytes is not None and self.bytes >= self.max_bytes:
+                self.cut_by_bytes = True  # a transaction boundary: the rest waits for the next batch
+                return False
+        elif isinstance(message, Truncate):
+            for relation in _truncated(message.relations, self.tables, self.conn, self.roots, self.would_capture):
+                spill = _spill_for(
+                    relation, self.tables, self.spills, self.spill_dir, self.relation_columns, self.conn, self.roots,
+                    None,
+                )  # fmt: skip
+                if spill is not None:
+                    spill.writer = self.writer
+                    self.changes += 1
+                    spill.changes += 1
+                    spill.truncations.append((message.begin.final_lsn, self.seq))
+                    spill.truncate_positions.append((message.begin.final_lsn, self.seq))
+                    self.seq += 1
+        elif isinstance(message, Relation):
+            self.relation_columns.pop(message.relation_id, None)
+            self.relation_spills.pop(message.relation_id, None)
+        return True
 
 
 def _spill_for(
@@ -392,13 +521,19 @@ def _spill_for(
     if relation.relation_id not in relation_columns:
         relation_columns[relation.relation_id] = _columns_for_relation(relation, spill, conn)
     columns = relation_columns[relation.relation_id]
-    if columns is not spill.columns:  # compared once per relation message, not once per change
-        if [c.name for c in columns] != [c.name for c in spill.columns]:
-            spill.flush()
-            known = {c.name for c in table.columns} | {c.name for c in spill.added_columns}
-            spill.added_columns += [c for c in columns if c.name not in known]
-        spill.columns = columns
+    if columns is not spill.columns:
+        _switch_columns(spill, columns)
     return spill
+
+
+def _switch_columns(spill: TableSpill, columns: list[PgColumn]) -> None:
+    """Make ``columns`` (a relation's, from its last Relation message) the spill's: the changes kept under other
+    column names are written first. Done where a spill's changes switch relation, not once per change."""
+    if [c.name for c in columns] != [c.name for c in spill.columns]:
+        spill.flush()
+        known = {c.name for c in spill.table.columns} | {c.name for c in spill.added_columns}
+        spill.added_columns += [c for c in columns if c.name not in known]
+    spill.columns = columns
 
 
 def _captured_name(
