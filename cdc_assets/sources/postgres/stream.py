@@ -64,7 +64,7 @@ from cdc_assets.source import CapturedTablesChanged, PermanentBatchError
 from cdc_assets.sources.postgres.catalog import CapturedTable
 from cdc_assets.sources.postgres.lsn import format_lsn, parse_lsn
 from cdc_assets.sources.postgres.pg_values import PgColumn, columns_from_catalog, decode_text_table
-from cdc_assets.sources.postgres.pgoutput import Begin, Commit, PgOutputDecoder, PgOutputError, Relation, Truncate
+from cdc_assets.sources.postgres.pgoutput import Begin, Commit, PgOutputDecoder, Relation, Truncate
 from cdc_assets.sources.postgres.row_images import decode_row_images
 from cdc_assets.sources.postgres.snapshot import in_recovery
 from cdc_assets.sources.postgres.watermark import widen_xid
@@ -442,9 +442,7 @@ class _BatchReader:
                 continue
             if spill.columns is not relation_columns[relation_id]:  # the spill's changes switched relation
                 _switch_columns(spill, relation_columns[relation_id])
-            begin = self.decoder.current
-            if begin is None:
-                raise PgOutputError("row change outside a transaction (no Begin message before it)")
+            begin = self.decoder.transaction()
             size = len(data)
             spill.messages.append(data)
             spill.commit_lsns.append(begin.final_lsn)
@@ -455,20 +453,27 @@ class _BatchReader:
             spill.changes += 1
             spill.bytes += size
             spill.pending_bytes += size
-            if len(spill.messages) + len(spill.truncate_positions) >= spill_rows or spill.pending_bytes >= spill_bytes:
+            if spill.pending >= spill_rows or spill.pending_bytes >= spill_bytes:
                 spill.flush()
         return True
 
     def _spill_of(self, relation_id: int, message: bytes) -> TableSpill | None:
         """The spill of a relation's row changes (None: not captured), decided at its first change after its
         Relation message."""
+        spill = self._captured_spill(self.decoder.relation_of(message), self.would_capture)
+        self.relation_spills[relation_id] = spill
+        return spill
+
+    def _captured_spill(
+        self, relation: Relation, would_capture: Callable[[str, str], bool] | None
+    ) -> TableSpill | None:
+        """``_spill_for`` over this read's state; the spill writes its parts with this read's writer."""
         spill = _spill_for(
-            self.decoder.relation_of(message), self.tables, self.spills, self.spill_dir, self.relation_columns,
-            self.conn, self.roots, self.would_capture,
+            relation, self.tables, self.spills, self.spill_dir, self.relation_columns, self.conn, self.roots,
+            would_capture,
         )  # fmt: skip
         if spill is not None:
             spill.writer = self.writer
-        self.relation_spills[relation_id] = spill
         return spill
 
     def _take_other(self, data: bytes) -> bool:
@@ -483,12 +488,8 @@ class _BatchReader:
                 return False
         elif isinstance(message, Truncate):
             for relation in _truncated(message.relations, self.tables, self.conn, self.roots, self.would_capture):
-                spill = _spill_for(
-                    relation, self.tables, self.spills, self.spill_dir, self.relation_columns, self.conn, self.roots,
-                    None,
-                )  # fmt: skip
+                spill = self._captured_spill(relation, None)
                 if spill is not None:
-                    spill.writer = self.writer
                     self.changes += 1
                     spill.changes += 1
                     spill.truncations.append((message.begin.final_lsn, self.seq))
