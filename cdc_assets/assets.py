@@ -99,6 +99,30 @@ def not_retried_when_interrupted(step: str) -> Iterator[None]:
         ) from interrupt
 
 
+@contextmanager
+def failure_naming_its_cause(step: str, retry_number: int, max_retries: int = RETRY.max_retries) -> Iterator[None]:
+    """A step retried by ``RETRY``. Contract: an interrupt ends it as ``not_retried_when_interrupted`` does; any
+    other error on the last attempt ``max_retries`` allows (``retry_number``: the attempts made before this one) ends
+    it as a ``Failure`` whose description names ``step``, the attempts and the error's type and message; on an earlier
+    attempt the error passes through unchanged (Dagster retries the step). Why: once a RetryPolicy's retries are
+    used up, Dagster's step failure says only "Exceeded max_retries of 3", without the error's message (that is in
+    the retry events before it), so a run failed for a reason its page did not show first (found 2026-12-07 with a
+    source that refused the password)."""
+    with not_retried_when_interrupted(step):
+        try:
+            yield
+        except Failure:
+            raise
+        except Exception as error:
+            if retry_number < max_retries:
+                raise
+            raise Failure(
+                description=f"{step} failed on attempt {retry_number + 1} of {max_retries + 1}: "
+                f"{type(error).__name__}: {error}",
+                allow_retries=False,
+            ) from error
+
+
 ACTIVE_RUN_STATUSES = [
     DagsterRunStatus.QUEUED, DagsterRunStatus.NOT_STARTED, DagsterRunStatus.STARTING, DagsterRunStatus.STARTED,
 ]  # fmt: skip
@@ -151,12 +175,13 @@ def build_table_asset(source: SourceConfig, qualified_name: str) -> AssetsDefini
         metadata={table_metadata_key(source): qualified_name},
     )
     def table_chunks(context: AssetExecutionContext) -> MaterializeResult:
-        pipeline = context.resources.cdc.pipeline(source.name)
-        table = pipeline.tables.get(qualified_name)
-        if table is None:
-            raise ValueError(f"source {source.name!r}: table {qualified_name} is no longer captured")
-        indexes = sorted(chunk_index(k) for k in context.partition_keys)
-        with not_retried_when_interrupted(f"snapshot of {qualified_name} (source {source.name!r})"):
+        step = f"snapshot of {qualified_name} (source {source.name!r})"
+        with failure_naming_its_cause(step, context.retry_number):
+            pipeline = context.resources.cdc.pipeline(source.name)
+            table = pipeline.tables.get(qualified_name)
+            if table is None:
+                raise ValueError(f"source {source.name!r}: table {qualified_name} is no longer captured")
+            indexes = sorted(chunk_index(k) for k in context.partition_keys)
             report = pipeline.snapshot(context.resources.cdc.spark(), table, indexes, context.run.run_id)
         paths = pipeline.lake.table(qualified_name)
         return MaterializeResult(
@@ -362,8 +387,9 @@ def build_stream_asset(source: SourceConfig) -> AssetsDefinition:
         yielded), and only then may the source forget what it covers (PostgreSQL: the slot follows it). The run ends
         at ``run_seconds``, or after one batch when ``run_seconds`` is 0, or as soon as another run is waiting for the
         source's lake-write pool (a stream run only once it is warm). An interrupt ends it without a retry
-        (``not_retried_when_interrupted``)."""
-        with not_retried_when_interrupted(f"stream of source {source.name!r}"):
+        (``not_retried_when_interrupted``); an error on the last attempt fails it naming the error
+        (``failure_naming_its_cause``)."""
+        with failure_naming_its_cause(f"stream of source {source.name!r}", context.retry_number):
             yield from batches(context)
 
     @graph_asset(

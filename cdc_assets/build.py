@@ -1,8 +1,12 @@
 """Builds the project's ``Definitions`` from a configuration file (see ``cdc_assets.definitions``).
 
-Captured tables are resolved at load time (explicit list + include patterns, from the source's catalog); when the
-source cannot be reached at load time, the explicitly listed tables are used and a warning is logged. Reload the
-code location to pick up a table that newly matches a pattern.
+Captured tables are resolved at load time (explicit list + include patterns, from the source's catalog), and what
+the source listed is kept in its lake (``SourceLake.store_listing``). When the source cannot be reached at load time,
+the tables it listed last under the same selection are used (else the explicitly listed ones) and a warning names the
+source's error: every process builds the definitions again (the code server, and each run's own process), and a run of
+a discovered table whose process cannot reach the source must still find its asset, so that its step fails with the
+source's error instead of Dagster's "no AssetsDefinition supplies these keys". Reload the code location to pick up a
+table that newly matches a pattern.
 
 Contract: one table never takes the others down. A selected table that cannot be captured (``CdcSource.skipped``:
 no key, no ``SELECT``, a partition, ...) is logged as a warning naming it, its reason and its fix, and gets an
@@ -17,6 +21,7 @@ process of its own); the steps of a run are sequential anyway.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from pathlib import Path
@@ -33,6 +38,7 @@ from cdc_assets.assets import (
     stream_job_name,
 )
 from cdc_assets.config import CdcConfig, SourceConfig, load_config
+from cdc_assets.lake.layout import ListedSkippedTable, SourceLake, SourceListing
 from cdc_assets.offsets import build_change_offset_job
 from cdc_assets.snapshot_rows import build_snapshot_rows_job
 from cdc_assets.source import SkippedTableLike, SourceError
@@ -49,18 +55,61 @@ def captured_table_names(config: CdcConfig, source: SourceConfig) -> list[str]:
     return selected_tables(config, source)[0]
 
 
+def table_selection(source: SourceConfig) -> str:
+    """What chooses a source's tables, as text without credentials: a listing made under another selection (a
+    pattern added, another server) is not this one's."""
+    return json.dumps(
+        {
+            "kind": source.kind,
+            "connection": source.connection.describe(),
+            "tables": [t.qualified_name for t in source.tables],
+            "include": list(source.include),
+            "exclude": list(source.exclude),
+            "databases": list(source.mongodb.databases) if source.mongodb is not None else [],
+        },
+        sort_keys=True,
+    )
+
+
 def selected_tables(config: CdcConfig, source: SourceConfig) -> tuple[list[str], list[SkippedTableLike]]:
-    """The names of the captured tables, and the selected tables that cannot be captured (each logged)."""
+    """The names of the captured tables, and the selected tables that cannot be captured (each logged).
+
+    Contract: when the source answers, its listing is the answer and is kept in the lake (a lake that cannot be
+    written is a warning: the definitions still load). When it does not, the listing kept under the same
+    ``table_selection`` is the answer, else the explicitly configured tables; the warning names the source's error.
+    """
+    lake = SourceLake(config.lake_root, source.name)
+    selection = table_selection(source)
     try:
         pipeline = open_source(config, source)
         names = sorted(pipeline.prepare())
     except SourceError as error:
-        log.warning("%s; using the explicitly configured tables only", error)
-        return [t.qualified_name for t in source.tables], []
+        listing = _last_listing(lake, selection)
+        if listing is None:
+            log.warning("%s; using the explicitly configured tables only", error)
+            return [t.qualified_name for t in source.tables], []
+        log.warning("%s; using the tables it listed when it last answered (%s)", error, lake.listing_path)
+        return list(listing.tables), list(listing.skipped)
     skipped = list(pipeline.skipped())
     for table in skipped:
         log.warning("source %r: %s (every other table is captured)", source.name, table.message)
+    listed = tuple(ListedSkippedTable(t.qualified_name, t.reason, t.fix, t.message) for t in skipped)
+    try:
+        lake.store_listing(SourceListing(selection, tuple(names), listed))
+    except OSError as error:
+        log.warning("source %r: its table listing could not be kept in the lake: %s", source.name, error)
     return names, skipped
+
+
+def _last_listing(lake: SourceLake, selection: str) -> SourceListing | None:
+    try:
+        listing = lake.read_listing()
+    except (OSError, ValueError) as error:
+        log.warning("%s cannot be read: %s", lake.listing_path, error)
+        return None
+    if listing is None or listing.selection != selection:
+        return None
+    return listing
 
 
 def build_definitions(config_path: str | os.PathLike[str]) -> Definitions:

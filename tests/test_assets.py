@@ -3,10 +3,16 @@ run of a test asset)."""
 
 from __future__ import annotations
 
-from dagster import DagsterEventType, DagsterExecutionInterruptedError, asset, materialize
+from dagster import (
+    DagsterEventType,
+    DagsterExecutionInterruptedError,
+    RetryPolicy,
+    asset,
+    materialize,
+)
 
-from cdc_assets.assets import RETRY, batch_log_line, not_retried_when_interrupted
-from cdc_assets.source import StreamReport
+from cdc_assets.assets import RETRY, batch_log_line, failure_naming_its_cause, not_retried_when_interrupted
+from cdc_assets.source import SourceError, StreamReport
 
 
 def report_with_bounds(failures: int) -> StreamReport:
@@ -56,3 +62,39 @@ def test_an_interrupted_step_fails_once_instead_of_being_retried() -> None:
     assert "the test's step was interrupted (its run was terminated or its process asked to stop); not retried" in (
         failure.step_failure_data.user_failure_data.description
     )
+
+
+def test_a_step_out_of_retries_fails_naming_the_error_it_failed_with() -> None:
+    """Dagster's own step failure once a RetryPolicy's retries are used up says "Exceeded max_retries of N" only;
+    the step's last attempt fails with the error's type and message instead, and earlier attempts are retried."""
+    attempts: list[int] = []
+
+    @asset(retry_policy=RetryPolicy(max_retries=2))
+    def failing_step(context) -> None:  # not annotated: Dagster reads it, and this module's annotations are strings
+        attempts.append(context.retry_number)
+        with failure_naming_its_cause("the test's step", context.retry_number, max_retries=2):
+            raise SourceError("source 'x': cannot connect to postgresql://u@h:1/d: password authentication failed")
+
+    result = materialize([failing_step], raise_on_error=False)
+    assert not result.success
+    assert attempts == [0, 1, 2]
+    assert len([e for e in result.all_events if e.event_type == DagsterEventType.STEP_UP_FOR_RETRY]) == 2
+    failure = next(e for e in result.all_events if e.event_type == DagsterEventType.STEP_FAILURE)
+    shown = failure.step_failure_data.error.message
+    assert "Exceeded max_retries" not in shown
+    assert (
+        "the test's step failed on attempt 3 of 3: SourceError: source 'x': cannot connect to postgresql://u@h:1/d: "
+        "password authentication failed" in shown
+    )
+
+    recovered: list[int] = []
+
+    @asset(retry_policy=RetryPolicy(max_retries=2))
+    def recovering_step(context) -> None:
+        recovered.append(context.retry_number)
+        with failure_naming_its_cause("the test's step", context.retry_number, max_retries=2):
+            if context.retry_number == 0:
+                raise SourceError("refused once")
+
+    assert materialize([recovering_step]).success
+    assert recovered == [0, 1]

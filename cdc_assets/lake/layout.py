@@ -32,6 +32,10 @@ Contract (``<lake_root>/<source>/``):
 - ``_cdc/upkeep/<step>``: empty files whose modification times are the ends of the last lake upkeep steps
   (``cdc_assets.lake.maintenance``): ``compact`` (staged attempts dropped, tables compacted) and ``vacuum``. The clock
   of a step starts when it is first asked whether the step is due: a new source's first batches pay for no upkeep.
+- ``_cdc/listed.json``: the tables the source listed the last time the definitions were built while it answered
+  (captured and skipped, with the reasons), with the table selection they were listed under (``SourceListing``).
+  A process that builds the definitions while the source does not answer builds these tables' assets, so a run of one
+  of them starts and its step fails with the source's own error (``cdc_assets.build``). Rewritten only when it changed.
 - ``_cdc/spill/<batch>/``: a stream batch's decoded changes (Parquet), removed after the batch; the folders a killed
   batch left are removed when the next batch starts (``drop_spills``: the source's pool runs one batch at a time).
 Every file here goes through ``cdc_assets.lake.files.LakePath``: the lake root is a local path or an ``s3a://`` URI.
@@ -68,6 +72,51 @@ class Resnapshot:
 
     position: int
     reason: str
+
+
+@dataclass(frozen=True)
+class ListedSkippedTable:
+    """A selected table the source did not capture when it was last listed, and why (``SkippedTableLike``)."""
+
+    qualified_name: str
+    reason: str
+    fix: str
+    message: str
+
+
+@dataclass(frozen=True)
+class SourceListing:
+    """The tables a source listed (captured, and selected but skipped) under a table selection (``selection``: the
+    configuration that chose them, as ``cdc_assets.build.table_selection`` writes it)."""
+
+    selection: str
+    tables: tuple[str, ...]
+    skipped: tuple[ListedSkippedTable, ...] = ()
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {
+                "selection": self.selection,
+                "tables": list(self.tables),
+                "skipped": [
+                    {"table": t.qualified_name, "reason": t.reason, "fix": t.fix, "message": t.message}
+                    for t in self.skipped
+                ],
+            },
+            indent=1,
+        )
+
+    @classmethod
+    def from_json(cls, text: str) -> SourceListing:
+        data = json.loads(text)
+        return cls(
+            selection=str(data["selection"]),
+            tables=tuple(str(name) for name in data["tables"]),
+            skipped=tuple(
+                ListedSkippedTable(str(t["table"]), str(t["reason"]), str(t["fix"]), str(t["message"]))
+                for t in data["skipped"]
+            ),
+        )
 
 
 class SourceLake:
@@ -131,6 +180,34 @@ class SourceLake:
         stored = self.read_plan(plan.table)
         assert stored is not None
         return stored
+
+    # -- the tables the source listed last ---------------------------------------------------------------------
+    @property
+    def listing_path(self) -> LakePath:
+        return self.control / "listed.json"
+
+    def read_listing(self) -> SourceListing | None:
+        """The listing stored last; None when there is none. Raises ``OSError`` when the lake cannot be read and
+        ``ValueError`` when the file is not a listing."""
+        try:
+            text = self.listing_path.read_text()
+        except FileNotFoundError:
+            return None
+        try:
+            return SourceListing.from_json(text)
+        except (KeyError, TypeError) as error:
+            raise ValueError(f"{self.listing_path} is not a table listing: {error!r}") from error
+
+    def store_listing(self, listing: SourceListing) -> bool:
+        """Store ``listing`` unless the stored one equals it (a definitions load usually finds it unchanged);
+        returns whether it wrote. Raises ``OSError`` when the lake cannot be written."""
+        try:
+            if self.read_listing() == listing:
+                return False
+        except ValueError:
+            pass  # replaced below
+        self.listing_path.write_text(listing.to_json())
+        return True
 
     # -- waiting markers -----------------------------------------------------------------------------------
     def _marker(self, qualified_name: str, chunk: int) -> LakePath:

@@ -598,10 +598,12 @@ def test_a_backfill_of_several_chunks_and_the_sweep_check_every_chunk_of_their_r
     assert "Re-materialize those partitions" in drifted.description
 
 
-def dagster_cli(config: Path, home: Path, *args: str) -> subprocess.CompletedProcess[str]:
+def dagster_cli(
+    config: Path, home: Path, *args: str, password: str = READER_PASSWORD
+) -> subprocess.CompletedProcess[str]:
     """``dagster <args> -m cdc_assets.definitions`` as the README shows it, with this module's configuration
     (``CDC_CONFIG``) and instance (``DAGSTER_HOME``)."""
-    env = {**os.environ, "CDC_CONFIG": str(config), "DAGSTER_HOME": str(home), "DEFS_PW": READER_PASSWORD}
+    env = {**os.environ, "CDC_CONFIG": str(config), "DAGSTER_HOME": str(home), "DEFS_PW": password}
     command = [str(Path(sys.executable).parent / "dagster"), *args, "-m", "cdc_assets.definitions"]
     return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
 
@@ -690,6 +692,57 @@ def stream_config(path: Path, settings: str, name: str) -> Path:
     changed = path.with_name(name)
     changed.write_text(text)
     return changed
+
+
+def test_a_run_whose_process_cannot_reach_the_source_fails_with_the_sources_error(
+    config_path, tmp_path, monkeypatch, caplog
+) -> None:
+    """A run's process builds the definitions again; when it cannot list the source (here: a wrong password in its
+    environment), it builds the assets of the tables the source listed when it last answered (kept in the lake by
+    the load before), so ``dagster asset materialize`` of a discovered table gets as far as its step, which fails
+    with the source's error, not with Dagster's "no AssetsDefinition objects supply these keys". A listing made
+    under another table selection is not used (only the explicitly listed tables then)."""
+    from cdc_assets.assets import chunk_partitions
+
+    path, _ = config_path
+    defs = build_definitions(path)  # the source answers: its listing is kept
+    listed = {key for asset in defs.assets for key in asset.keys}
+    assert AssetKey(["defs", "public", "pairs"]) in listed
+    lake = SourceLake(path.parent / "lake", "defs")
+    assert lake.read_listing() is not None and "public.pairs" in lake.read_listing().tables
+
+    wrong = "not-the-password"
+    monkeypatch.setenv("DEFS_PW", wrong)
+    with caplog.at_level("WARNING", logger="cdc_assets.build"):
+        unreachable = build_definitions(path)
+    assert {key for asset in unreachable.assets for key in asset.keys} == listed
+    assert "password authentication failed" in caplog.text and "listed when it last answered" in caplog.text
+    assert wrong not in caplog.text
+
+    home = tmp_path / "dagster_home"
+    home.mkdir()
+    partition = chunk_partition_key(0)
+    with DagsterInstance.from_ref(InstanceRef.from_dir(str(home))) as instance:
+        instance.add_dynamic_partitions(chunk_partitions("defs", "public.pairs").name, [partition])
+    run = dagster_cli(path, home, "asset", "materialize", "--select", "defs/public/pairs", "--partition", partition,
+                      password=wrong)  # fmt: skip
+    output = run.stdout + run.stderr
+    assert run.returncode != 0
+    assert "no AssetsDefinition objects supply these keys" not in output, output[-3000:]
+    assert wrong not in output
+    with DagsterInstance.from_ref(InstanceRef.from_dir(str(home))) as instance:
+        (record,) = instance.get_runs()
+        assert record.status == DagsterRunStatus.FAILURE
+        failures = instance.get_records_for_run(record.run_id, of_type=DagsterEventType.STEP_FAILURE).records
+        assert failures, output[-3000:]
+        error = failures[0].event_log_entry.dagster_event.step_failure_data.error
+        assert "source 'defs': cannot connect" in error.message and "password authentication failed" in error.message
+
+    other = path.with_name("other_selection.yaml")
+    other.write_text(path.read_text().replace('include: ["public.*"]', 'include: ["public.p*"]'))
+    assert 'include: ["public.p*"]' in other.read_text()
+    narrowed = build_definitions(other)  # the source does not answer, and the listing was made under "public.*"
+    assert {key for asset in narrowed.assets for key in asset.keys} == {stream_asset_key("defs")}
 
 
 def test_a_failed_batch_is_retried_smaller_and_the_run_log_says_so(config_path, spark, monkeypatch) -> None:

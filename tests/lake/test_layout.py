@@ -1,4 +1,4 @@
-"""The lake layout's upkeep markers (no Spark needed)."""
+"""The lake layout's control files: upkeep markers, resnapshot markers, the source's last listing (no Spark needed)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,9 @@ import os
 import time
 from pathlib import Path
 
-from cdc_assets.lake.layout import Resnapshot, SourceLake
+import pytest
+
+from cdc_assets.lake.layout import ListedSkippedTable, Resnapshot, SourceLake, SourceListing
 
 
 def age(marker: Path, seconds: float) -> None:
@@ -54,3 +56,31 @@ def test_a_lake_found_by_its_control_folder_reads_the_same_files(tmp_path: Path)
     lake.record_acknowledged(42)
     assert SourceLake.of_control(lake.control).acknowledged() == 42
     assert SourceLake.of_control(tmp_path / "elsewhere").acknowledged() is None
+
+
+def test_a_listing_is_written_only_when_it_changed_and_read_back_equal(tmp_path: Path) -> None:
+    lake = SourceLake(tmp_path, "src")
+    assert lake.read_listing() is None
+    skipped = ListedSkippedTable("public.no key", "it has no primary key", "add one", "public.no key: it has ...")
+    listing = SourceListing('{"include": ["public.*"]}', ("public.a", 'odd.T\u00e4ble "x"'), (skipped,))
+    assert lake.store_listing(listing)
+    assert lake.read_listing() == listing
+    written = lake.listing_path.mtime()
+    assert not lake.store_listing(listing)  # unchanged: not written again
+    assert lake.listing_path.mtime() == written
+    changed = SourceListing(listing.selection, ("public.a",))
+    assert lake.store_listing(changed)
+    assert lake.read_listing() == changed
+
+
+def test_a_file_that_is_not_a_listing_is_refused_naming_it_and_replaced_by_the_next_store(tmp_path: Path) -> None:
+    lake = SourceLake(tmp_path, "src")
+    lake.listing_path.write_text('{"tables": []}')
+    with pytest.raises(ValueError, match=r"listed\.json is not a table listing"):
+        lake.read_listing()
+    lake.listing_path.write_text("{not json")
+    with pytest.raises(ValueError):
+        lake.read_listing()
+    listing = SourceListing("s", ("public.a",))
+    assert lake.store_listing(listing)
+    assert lake.read_listing() == listing
