@@ -141,7 +141,7 @@ def test_the_writer_holds_at_most_its_threads_and_its_bytes_in_flight_and_raises
         waiting.join(5)
         assert not waiting.is_alive()
         writer.wait()
-        assert sorted(written[:2]) == ["a", "b"] and written[2:] == ["c"]
+        assert sorted(written) == ["a", "b", "c"]  # "c" may end before "b": it waited for a thread, not for "b"
         release.clear()
         assert not submitting(writer, part("d"), 90, 5).is_alive()
         waiting = submitting(writer, part("e"), 20, 0.5)
