@@ -51,10 +51,6 @@ from sensors.stream import build_stream_sensor, stream_job_tags
 log = logging.getLogger(__name__)
 
 
-def captured_table_names(config: CdcConfig, source: SourceConfig) -> list[str]:
-    return selected_tables(config, source)[0]
-
-
 def table_selection(source: SourceConfig) -> str:
     """What chooses a source's tables, as text without credentials: a listing made under another selection (a
     pattern added, another server) is not this one's."""
