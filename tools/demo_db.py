@@ -18,6 +18,7 @@ import random
 import signal
 import sys
 import time
+from collections.abc import Callable
 
 import psycopg
 import psycopg.types.json
@@ -89,6 +90,8 @@ def setup(database: str = "demo", role: str = "cdc_reader", scale: float = 1.0) 
 
 
 def workload(rate: float = 200.0) -> None:
+    """Write until SIGTERM or SIGINT. A lost connection (the server restarted or stopped) is said and opened again
+    every 2 s: the transaction it cut was rolled back, so the next order id is read again."""
     stop = False
 
     def handle(_signum: int, _frame: object) -> None:
@@ -98,9 +101,23 @@ def workload(rate: float = 200.0) -> None:
     signal.signal(signal.SIGTERM, handle)
     signal.signal(signal.SIGINT, handle)
     rng = random.Random(7)
+    while not stop:
+        try:
+            write(rate, rng, lambda: stop)
+        except psycopg.OperationalError as error:
+            if stop:
+                break
+            reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
+            print(f"workload: {reason}; connecting again in 2 s", flush=True)
+            time.sleep(2)
+    print("workload stopped")
+
+
+def write(rate: float, rng: random.Random, stopped: Callable[[], bool]) -> None:
+    """The workload's transactions of 10 changes at ``rate`` changes/s on one connection until ``stopped()``."""
     with psycopg.connect(f"{ADMIN} dbname=demo", autocommit=True) as conn:
         (next_order,) = conn.execute("select coalesce(max(id), 0) + 1 from orders").fetchone()
-        while not stop:
+        while not stopped():
             started = time.monotonic()
             with conn.transaction():
                 for _ in range(10):
@@ -132,7 +149,6 @@ def workload(rate: float = 200.0) -> None:
                             [order],
                         )
             time.sleep(max(0.0, 10 / rate - (time.monotonic() - started)))
-    print("workload stopped")
 
 
 DOCUMENTS = """
