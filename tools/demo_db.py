@@ -103,7 +103,7 @@ def workload(rate: float = 200.0) -> None:
     rng = random.Random(7)
     while not stop:
         try:
-            write(rate, rng, lambda: stop)
+            write_transactions(rate, rng, lambda: stop)
         except psycopg.OperationalError as error:
             if stop:
                 break
@@ -113,7 +113,7 @@ def workload(rate: float = 200.0) -> None:
     print("workload stopped")
 
 
-def write(rate: float, rng: random.Random, stopped: Callable[[], bool]) -> None:
+def write_transactions(rate: float, rng: random.Random, stopped: Callable[[], bool]) -> None:
     """The workload's transactions of 10 changes at ``rate`` changes/s on one connection until ``stopped()``."""
     with psycopg.connect(f"{ADMIN} dbname=demo", autocommit=True) as conn:
         (next_order,) = conn.execute("select coalesce(max(id), 0) + 1 from orders").fetchone()
